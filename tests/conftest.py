@@ -1,6 +1,11 @@
 """Shared pytest fixtures and the gpu marker's skip rule."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

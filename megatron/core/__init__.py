@@ -1,0 +1,1 @@
+"""megatron.core: parallel state and tensor-parallel building blocks; imports nothing else from megatron."""

@@ -1,0 +1,10 @@
+"""Tensor-parallel layers, communication mappings, vocab-parallel cross entropy and the model-parallel RNG."""
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                  set_tensor_model_parallel_attributes)
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    scatter_to_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.random import (checkpoint, get_cuda_rng_tracker, get_rng_tracker,
+                                                  model_parallel_manual_seed, model_parallel_cuda_manual_seed)

@@ -1,0 +1,142 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear and VocabParallelEmbedding.
+
+Weights are initialised as the full (unsplit) matrix on the CPU with the caller's `init_method`, which
+draws from torch's global CPU RNG, and each rank keeps its slice. The same seed therefore gives the same
+full weights whatever the tensor-parallel size. Every split parameter carries the attributes
+`tensor_model_parallel=True`, `partition_dim` and `partition_stride`, which the checkpoint tools and
+DeepSpeed's gradient-norm code read.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    scatter_to_tensor_model_parallel_region)
+
+
+def set_tensor_model_parallel_attributes(param, is_parallel, partition_dim, stride=1):
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def _resolve_group(group):
+    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def _group_size_rank(group):
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _divide(numerator, denominator, what):
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}); "
+                         f"choose --tensor-model-parallel-size that divides {numerator}")
+    return numerator // denominator
+
+
+def _init_split_weight(full_shape, partition_dim, world, rank, init_method, dtype):
+    """Initialises the full weight in fp32 with init_method and returns this rank's slice as a Parameter."""
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    local = master.chunk(world, dim=partition_dim)[rank].to(dtype).contiguous()
+    weight = nn.Parameter(local)
+    set_tensor_model_parallel_attributes(weight, world > 1, partition_dim)
+    return weight
+
+
+def _zero_bias(size, dtype, is_parallel):
+    bias = nn.Parameter(torch.zeros(size, dtype=dtype))
+    set_tensor_model_parallel_attributes(bias, is_parallel, 0)
+    return bias
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split along its columns, A = [A_1 ... A_p]; rank i computes Y_i = X A_i + b_i.
+
+    Forward: the input is copied into the TP region (backward all-reduces its gradient); with
+    gather_output the partial outputs are all-gathered along the last dimension, otherwise each rank
+    returns its (..., output_size / p) slice. The weight is stored as (output_size / p, input_size).
+    """
+
+    def __init__(self, input_size, output_size, *, bias=True, gather_output=False, init_method=None,
+                 params_dtype=torch.float32, tp_group=None):
+        super().__init__()
+        self.tp_group = _resolve_group(tp_group)
+        world, rank = _group_size_rank(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = _divide(output_size, world, "output size")
+        self.gather_output = gather_output
+        init_method = init_method or nn.init.xavier_normal_
+        self.weight = _init_split_weight((output_size, input_size), 0, world, rank, init_method, params_dtype)
+        self.bias = _zero_bias(self.output_size_per_partition, params_dtype, world > 1) if bias else None
+
+    def forward(self, x):
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)  # (..., output_size / p)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.tp_group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split along its rows and X along its columns:
+
+        A = [A_1; ...; A_p],  X = [X_1 ... X_p],  Y = sum_i X_i A_i + b
+
+    Forward: unless input_is_parallel the input is split along its last dimension; partial products are
+    all-reduced (backward: identity), then the full bias is added once. Weight: (output_size, input_size / p).
+    """
+
+    def __init__(self, input_size, output_size, *, bias=True, input_is_parallel=False, init_method=None,
+                 params_dtype=torch.float32, tp_group=None):
+        super().__init__()
+        self.tp_group = _resolve_group(tp_group)
+        world, rank = _group_size_rank(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = _divide(input_size, world, "input size")
+        self.input_is_parallel = input_is_parallel
+        init_method = init_method or nn.init.xavier_normal_
+        self.weight = _init_split_weight((output_size, input_size), 1, world, rank, init_method, params_dtype)
+        self.bias = _zero_bias(output_size, params_dtype, False) if bias else None
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across TP ranks: rank i holds rows [i*V/p, (i+1)*V/p).
+
+    Forward: ids outside this rank's range look up zeros, then the partial embeddings are all-reduced
+    (backward: identity), so every rank ends with the full (..., hidden) embedding.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, init_method=None, params_dtype=torch.float32,
+                 tp_group=None):
+        super().__init__()
+        self.tp_group = _resolve_group(tp_group)
+        world, rank = _group_size_rank(self.tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_partition = _divide(num_embeddings, world, "padded vocabulary size")
+        self.vocab_start_index = rank * per_partition
+        self.vocab_end_index = self.vocab_start_index + per_partition
+        init_method = init_method or nn.init.normal_
+        self.weight = _init_split_weight((num_embeddings, embedding_dim), 0, world, rank, init_method,
+                                         params_dtype)
+
+    def forward(self, input_ids):
+        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)

@@ -1,0 +1,126 @@
+"""Causal ALiBi attention behind one interface, with several backends chosen by --attention-impl.
+
+    torch  reference: fp32 softmax of (q k^T * scale + slope_h * j) under the causal mask
+    sdpa   torch.nn.functional.scaled_dot_product_attention with the ALiBi bias as a float mask
+    flex   FlexAttention (compiled) with ALiBi as score_mod and a causal block mask (CUDA)
+    fused  our csrc softmax kernel with the ALiBi bias folded in (CUDA, bf16/fp16)
+    auto   flex on CUDA, sdpa elsewhere; falls back per call (logged once) where a backend cannot serve
+
+Queries are the last sq positions of sk keys (sk > sq with a KV cache): query i sees keys j <= i + sk - sq.
+An optional key padding mask (B, sk), True for real tokens, excludes padded keys.
+"""
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.tensor_parallel.random import get_rng_tracker
+
+logger = logging.getLogger(__name__)
+_LOGGED = set()
+
+
+def _log_once(message):
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
+
+
+def alibi_bias(slopes, sq, sk, key_padding_mask=None, dtype=torch.float32):
+    """(B or 1, nh, sq, sk) additive bias: slope_h * j where allowed, the dtype's minimum where masked."""
+    device = slopes.device
+    j = torch.arange(sk, device=device)
+    i = torch.arange(sq, device=device) + (sk - sq)
+    allowed = (j[None, :] <= i[:, None])[None, None]  # (1, 1, sq, sk)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :].bool()
+    bias = (slopes.float()[:, None, None] * j.float()).unsqueeze(0)  # (1, nh, 1, sk)
+    bias = bias.expand(allowed.shape[0], -1, sq, -1)
+    return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).to(dtype)
+
+
+def torch_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
+    """Reference: q (B, nh, sq, hd), k/v (B, nh, sk, hd) -> (B, nh, sq, hd); softmax in fp32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, nh, sq, sk)
+    scores = scores + alibi_bias(slopes, q.shape[2], k.shape[2], key_padding_mask)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
+def sdpa_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
+    bias = alibi_bias(slopes, q.shape[2], k.shape[2], key_padding_mask, dtype=q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_block_mask(sq, sk, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    offset = sk - sq
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+    return create_block_mask(causal, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=device)
+
+
+def flex_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
+    slopes = slopes.float()
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * kv_idx
+    block_mask = _causal_block_mask(q.shape[2], k.shape[2], str(q.device))
+    return _compiled_flex()(q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale)
+
+
+def fused_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
+    from megatron import fused_kernels
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (B, nh, sq, sk), unscaled
+    probs = fused_kernels.alibi_causal_softmax(scores, slopes, scale)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
+BACKENDS = {"torch": torch_attention, "sdpa": sdpa_attention, "flex": flex_attention, "fused": fused_attention}
+
+
+def resolve_backend(impl, q, dropout_p, key_padding_mask):
+    """The backend that serves this call, honouring `impl` where it can; logs each fallback once."""
+    if impl == "auto":
+        impl = "flex" if q.is_cuda else "sdpa"
+    if impl == "flex" and (not q.is_cuda or dropout_p > 0 or key_padding_mask is not None):
+        _log_once("attention: flex needs CUDA, no attention dropout and no padding mask; using sdpa")
+        impl = "sdpa"
+    if impl == "fused" and (not q.is_cuda or q.dtype == torch.float32 or key_padding_mask is not None):
+        _log_once("attention: the fused softmax needs CUDA bf16/fp16 without a padding mask; using sdpa")
+        impl = "sdpa"
+    return impl
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + ALiBi) v for this rank's heads; dropout draws from the model-parallel RNG."""
+
+    def __init__(self, slopes, head_dim, attention_dropout=0.0, impl="auto"):
+        super().__init__()
+        self.register_buffer("slopes", slopes, persistent=False)
+        self.scale = head_dim ** -0.5
+        self.attention_dropout = attention_dropout
+        self.impl = impl
+        _log_once(f"attention: --attention-impl {impl}")
+
+    def forward(self, q, k, v, key_padding_mask=None):
+        dropout_p = self.attention_dropout if self.training else 0.0
+        backend = BACKENDS[resolve_backend(self.impl, q, dropout_p, key_padding_mask)]
+        if dropout_p > 0:
+            with get_rng_tracker().fork():
+                return backend(q, k, v, self.slopes, self.scale, dropout_p, key_padding_mask)
+        return backend(q, k, v, self.slopes, self.scale, 0.0, key_padding_mask)

@@ -1,0 +1,222 @@
+"""The BLOOM network: vocab-parallel embedding + embedding LayerNorm, pre-LN ALiBi blocks, final norm, tied head.
+
+Shapes are batch-first: hidden states (B, S, H). Tensor parallelism splits heads (fused QKV, in BLOOM's
+per-head q,k,v layout, so a contiguous column block is a block of whole heads), the MLP's 4h dimension and
+the vocabulary. Canonical parameter names (what checkpoints and the HF name table use):
+
+    embedding.word_embeddings.weight              (V/p, H)   split on dim 0
+    embedding.word_embeddings_layernorm.{weight,bias}
+    layers.N.input_layernorm.{weight,bias}
+    layers.N.self_attention.query_key_value.{weight (3H/p, H), bias (3H/p)}
+    layers.N.self_attention.dense.{weight (H, H/p), bias (H)}
+    layers.N.post_attention_layernorm.{weight,bias}
+    layers.N.mlp.dense_h_to_4h.{weight (F/p, H), bias (F/p)}
+    layers.N.mlp.dense_4h_to_h.{weight (H, F/p), bias (H)}
+    final_layernorm.{weight,bias}
+"""
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.model.alibi import get_alibi_slopes_for_rank
+from megatron.model.attention import CoreAttention
+
+
+@contextlib.contextmanager
+def init_seed(seed, component):
+    """Seeds the CPU RNG for one component's initialisation and restores it afterwards.
+
+    Each component (embedding = 0, layer N = N + 1) draws from its own stream, so the full weights are the
+    same whatever the TP or PP layout that builds them.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + component)
+        yield
+
+
+def normal_init(std):
+    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+def make_layernorm(config, size):
+    if config.fused_layernorm:
+        from megatron.fused_kernels import MixedFusedLayerNorm
+        return MixedFusedLayerNorm(size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=config.layernorm_epsilon)
+
+
+class BloomEmbedding(nn.Module):
+    """Word embeddings (vocab-parallel) -> embedding LayerNorm -> dropout."""
+
+    def __init__(self, config, tp_group=None):
+        super().__init__()
+        with init_seed(config.seed, 0):
+            self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, init_method=normal_init(config.init_method_std),
+                tp_group=tp_group)
+        self.word_embeddings_layernorm = (make_layernorm(config, config.hidden_size)
+                                          if config.embed_layernorm else None)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids):
+        x = self.word_embeddings(input_ids)  # (B, S, H)
+        if self.word_embeddings_layernorm is not None:
+            x = self.word_embeddings_layernorm(x)
+        return self.dropout(x)
+
+
+class ParallelAttention(nn.Module):
+    """Fused QKV (column parallel) -> ALiBi attention over this rank's heads -> dense (row parallel)."""
+
+    def __init__(self, config, tp_group=None):
+        super().__init__()
+        tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+        tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+        tp_rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+        self.heads_per_partition = config.num_attention_heads // tp_size
+        self.head_dim = config.head_dim
+        std = config.init_method_std
+        self.query_key_value = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, 3 * config.hidden_size, init_method=normal_init(std), tp_group=tp_group)
+        self.dense = tensor_parallel.RowParallelLinear(
+            config.hidden_size, config.hidden_size, input_is_parallel=True,
+            init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
+        slopes = get_alibi_slopes_for_rank(config.num_attention_heads, tp_rank, tp_size)
+        self.core_attention = CoreAttention(slopes, config.head_dim, config.attention_dropout,
+                                            config.attention_impl)
+
+    def forward(self, x, key_padding_mask=None, layer_cache=None):
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each (B, nh/p, S, hd)
+        if layer_cache is not None:
+            k, v = layer_cache.append(k, v)
+        context = self.core_attention(q, k, v, key_padding_mask)  # (B, nh/p, S, hd)
+        context = context.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
+        return self.dense(context)
+
+
+class ParallelMLP(nn.Module):
+    """h -> 4h (column parallel) -> tanh GeLU -> h (row parallel)."""
+
+    def __init__(self, config, tp_group=None):
+        super().__init__()
+        std = config.init_method_std
+        self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, config.ffn_dim, init_method=normal_init(std), tp_group=tp_group)
+        self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
+            config.ffn_dim, config.hidden_size, input_is_parallel=True,
+            init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class BloomBlock(nn.Module):
+    """Pre-LN transformer block: x + drop(attn(ln(x))), then + drop(mlp(ln(.)))."""
+
+    def __init__(self, config, layer_number, tp_group=None):
+        super().__init__()
+        self.layer_number = layer_number
+        self.post_ln_residual = config.apply_residual_connection_post_layernorm
+        with init_seed(config.seed, layer_number + 1):
+            self.input_layernorm = make_layernorm(config, config.hidden_size)
+            self.self_attention = ParallelAttention(config, tp_group)
+            self.post_attention_layernorm = make_layernorm(config, config.hidden_size)
+            self.mlp = ParallelMLP(config, tp_group)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, x, key_padding_mask=None, layer_cache=None):
+        ln = self.input_layernorm(x)
+        residual = ln if self.post_ln_residual else x
+        attn = self.self_attention(ln, key_padding_mask, layer_cache)
+        x = residual + F.dropout(attn, p=self.hidden_dropout, training=self.training)
+        ln = self.post_attention_layernorm(x)
+        residual = ln if self.post_ln_residual else x
+        return residual + F.dropout(self.mlp(ln), p=self.hidden_dropout, training=self.training)
+
+
+def parallel_lm_logits(hidden, word_embeddings_weight, tp_group):
+    """Logits of this rank's vocabulary slice: (B, S, H) @ (V/p, H)^T -> (B, S, V/p)."""
+    hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, tp_group)
+    return F.linear(hidden, word_embeddings_weight)
+
+
+def lm_loss(hidden, word_embeddings_weight, labels, tp_group, chunk_size=0):
+    """Per-token fp32 loss of the tied LM head + vocab-parallel cross entropy.
+
+    With chunk_size > 0 the tokens are processed in chunks whose logits are recomputed in backward, so at
+    most chunk_size x V/p logits are alive at a time instead of B x S x V/p.
+    """
+    if chunk_size <= 0 or hidden.shape[0] * hidden.shape[1] <= chunk_size:
+        logits = parallel_lm_logits(hidden, word_embeddings_weight, tp_group)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group)
+    b, s, h = hidden.shape
+    flat_hidden, flat_labels = hidden.reshape(b * s, h), labels.reshape(b * s)
+
+    def chunk_loss(hid, lab, weight):
+        logits = parallel_lm_logits(hid, weight, tp_group)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, lab, tp_group)
+
+    losses = [tensor_parallel.checkpoint(chunk_loss, flat_hidden[i:i + chunk_size], flat_labels[i:i + chunk_size],
+                                         word_embeddings_weight)
+              for i in range(0, b * s, chunk_size)]
+    return torch.cat(losses).view(b, s)
+
+
+class InferenceCache:
+    """Per-layer key/value tensors for incremental decoding."""
+
+    class _Layer:
+        def __init__(self):
+            self.k = self.v = None
+
+        def append(self, k, v):  # (B, nh/p, s_new, hd)
+            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+            return self.k, self.v
+
+    def __init__(self, num_layers):
+        self.layers = [self._Layer() for _ in range(num_layers)]
+
+    @property
+    def seq_len(self):
+        return 0 if self.layers[0].k is None else self.layers[0].k.shape[2]
+
+
+class BloomModel(nn.Module):
+    """The whole network on one pipeline stage (used when PP = 1; pipeline.py splits it for PP > 1).
+
+    forward(input_ids) -> logits (vocab-parallel unless parallel_output=False);
+    forward(input_ids, labels) -> per-token fp32 loss (B, S).
+    """
+
+    def __init__(self, config, parallel_output=True, tp_group=None):
+        super().__init__()
+        self.config = config
+        self.parallel_output = parallel_output
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.embedding = BloomEmbedding(config, self.tp_group)
+        self.layers = nn.ModuleList(BloomBlock(config, i, self.tp_group) for i in range(config.num_layers))
+        self.final_layernorm = make_layernorm(config, config.hidden_size)
+
+    def forward(self, input_ids, labels=None, attention_mask=None, cache=None):
+        x = self.embedding(input_ids)
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layers[i] if cache is not None else None
+            if self.config.checkpoint_activations and self.training and attention_mask is None:
+                x = tensor_parallel.checkpoint(layer, x)
+            else:
+                x = layer(x, attention_mask, layer_cache)
+        x = self.final_layernorm(x)
+        weight = self.embedding.word_embeddings.weight
+        if labels is not None:
+            return lm_loss(x, weight, labels, self.tp_group, self.config.loss_chunk_size)
+        logits = parallel_lm_logits(x, weight, self.tp_group)
+        if not self.parallel_output:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.tp_group)
+        return logits

@@ -1,0 +1,118 @@
+"""TP=2 equals TP=1 (loss, every gradient, initial weights); vocab-parallel cross entropy; RNG tracker."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.model import BloomModel
+from tests.distributed import run_distributed
+
+
+def gather_full(param, tensor, group):
+    """The full tensor of a TP-split parameter (tensor = its data or grad, joined along partition_dim)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _tp_model_equals_tp1(rank, world, heads, checkpoint_activations):
+    config = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=heads, vocab_size=1000,
+                         seq_length=16, attention_impl="torch", checkpoint_activations=checkpoint_activations,
+                         tensor_model_parallel_size=1)
+    reference = BloomModel(config)  # built before the TP groups exist: TP = 1
+    state = ps.initialize_model_parallel(world, 1)
+    tp_config = ModelConfig(**{**config.__dict__, "tensor_model_parallel_size": world})
+    model = BloomModel(tp_config)
+    group = state.tp_group
+
+    ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(5))
+    ref_loss = reference(ids[:, :-1], labels=ids[:, 1:]).mean()
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        # Same seed, any TP size: the same full initial weights (compared on the gathered tensors).
+        torch.testing.assert_close(gather_full(param, param.detach(), group), ref_params[name].detach(),
+                                   atol=0, rtol=0, msg=f"initial weight {name}")
+        torch.testing.assert_close(gather_full(param, param.grad, group), ref_params[name].grad,
+                                   atol=1e-5, rtol=0, msg=f"gradient of {name}")
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("heads,checkpointing", [(4, False), (6, True)])
+def test_tp2_loss_and_gradients_equal_tp1(heads, checkpointing):
+    run_distributed(_tp_model_equals_tp1, 2, heads, checkpointing)
+
+
+def _vocab_parallel_ce(rank, world):
+    state = ps.initialize_model_parallel(world, 1)
+    gen = torch.Generator().manual_seed(0)
+    full_logits = (torch.randn(3, 5, 64, generator=gen) * 20).requires_grad_()  # large values: stability
+    target = torch.randint(0, 64, (3, 5), generator=gen)
+    local = full_logits.detach().chunk(world, dim=-1)[rank].clone().requires_grad_()
+    loss = tensor_parallel.vocab_parallel_cross_entropy(local, target, state.tp_group)
+    ref = F.cross_entropy(full_logits.view(-1, 64), target.view(-1), reduction="none").view(3, 5)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-6)
+    weights = torch.rand(3, 5, generator=gen)
+    (loss * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(local.grad, full_logits.grad.chunk(world, dim=-1)[rank], atol=1e-6, rtol=0)
+    ps.destroy_model_parallel()
+
+
+def test_vocab_parallel_cross_entropy_equals_torch():
+    run_distributed(_vocab_parallel_ce, 2)
+
+
+def test_vocab_parallel_cross_entropy_single_rank_bf16_gradient_dtype():
+    logits = torch.randn(4, 10).bfloat16().requires_grad_()
+    target = torch.randint(0, 10, (4,))
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, F.cross_entropy(logits.float(), target, reduction="none"))
+
+
+def _rng_tracker(rank, world):
+    ps.initialize_model_parallel(world, 1)
+    tensor_parallel.model_parallel_manual_seed(42, tp_rank=rank)
+    ones = torch.ones(1000)
+    outside = F.dropout(ones, 0.5)
+    with tensor_parallel.get_rng_tracker().fork():
+        inside = F.dropout(ones, 0.5)
+    both = [torch.empty(2, 1000) for _ in range(world)]
+    dist.all_gather(both, torch.stack([outside, inside]))
+    assert torch.equal(both[0][0], both[1][0]), "dropout outside the TP region must agree across TP ranks"
+    assert not torch.equal(both[0][1], both[1][1]), "dropout inside the TP region must differ across TP ranks"
+    ps.destroy_model_parallel()
+
+
+def test_rng_tracker_inside_differs_outside_agrees():
+    run_distributed(_rng_tracker, 2)
+
+
+def test_checkpoint_recomputes_same_dropout():
+    tensor_parallel.model_parallel_manual_seed(7)
+    weight = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        with tensor_parallel.get_rng_tracker().fork():
+            x = F.dropout(x @ weight, 0.5)
+        return F.dropout(x, 0.3)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    tensor_parallel.model_parallel_manual_seed(7)
+    fn(x).sum().backward()
+    expected = weight.grad.clone(), x.grad.clone()
+    weight.grad = x.grad = None
+    tensor_parallel.model_parallel_manual_seed(7)
+    tensor_parallel.checkpoint(fn, x).sum().backward()
+    torch.testing.assert_close((weight.grad, x.grad), expected, atol=0, rtol=0)
