@@ -3,26 +3,12 @@
 Components receive only the sub-config they need. Errors a user can cause raise ValueError naming the
 flag, the values and the fix.
 """
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
+from megatron.tokenizer.tokenizer import pad_vocab_size  # noqa: F401  (re-exported for callers)
+
 ATTENTION_IMPLS = ("auto", "flex", "sdpa", "fused", "torch")
-
-
-def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-                   pad_vocab_size_to=None):
-    """Smallest multiple of divisible_by * TP that holds the vocabulary (250680 -> 250880 for BLOOM)."""
-    if pad_vocab_size_to is not None:
-        if pad_vocab_size_to < orig_vocab_size:
-            raise ValueError(f"--pad-vocab-size-to {pad_vocab_size_to} is smaller than the tokenizer's "
-                             f"vocabulary ({orig_vocab_size}); pass at least {orig_vocab_size}")
-        if pad_vocab_size_to % tensor_model_parallel_size != 0:
-            raise ValueError(f"--pad-vocab-size-to {pad_vocab_size_to} is not divisible by "
-                             f"--tensor-model-parallel-size {tensor_model_parallel_size}; pass a multiple of it")
-        return pad_vocab_size_to
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return int(math.ceil(orig_vocab_size / multiple) * multiple)
 
 
 @dataclass(frozen=True)
@@ -92,3 +78,150 @@ class ModelConfig:
         per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         embed = self.vocab_size * h + (2 * h if self.embed_layernorm else 0)
         return embed + l * per_layer + 2 * h
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """TP x PP x DP = world size; validated once, before anything is built."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    world_size: int = 1
+    distributed_backend: str = "gloo"
+    distributed_timeout_minutes: int = 10
+
+    def __post_init__(self):
+        from megatron.core.parallel_state import validate_parallel_sizes
+        validate_parallel_sizes(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+
+    @property
+    def data_parallel_size(self):
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+
+    def __post_init__(self):
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}; lower --min-lr")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style} is not one of constant, linear, cosine")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None  # None: dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self):
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are both set; choose one")
+
+    @property
+    def name(self):
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch arithmetic and loop lengths: global = micro x grad accumulation x DP."""
+    micro_batch_size: int
+    global_batch_size: int
+    data_parallel_size: int
+    train_iters: int
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 100
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    max_nan_iterations: int = 3
+    zero_stage: int = 0
+    cpu_offload: bool = False
+    checkpoint_activations: bool = False
+    partition_activations: bool = False
+    seed: int = 1234
+
+    def __post_init__(self):
+        per_step = self.micro_batch_size * self.data_parallel_size
+        if self.global_batch_size % per_step != 0:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
+                f"use a multiple of {per_step}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage} is not one of 0, 1, 2, 3")
+        if self.train_iters < 1:
+            raise ValueError(f"--train-iters {self.train_iters} must be positive (or pass --train-samples)")
+
+    @property
+    def gradient_accumulation_steps(self):
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple = ()
+    split: str = "969,30,1"
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_name_or_path: Optional[str] = None
+    make_vocab_size_divisible_by: int = 128
+    pad_vocab_size_to: Optional[int] = None
+    num_workers: int = 0
+    data_cache_dir: Optional[str] = None
+    mock_data: bool = False
+    mock_vocab_size: int = 50257
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+    metrics_file: Optional[str] = None
+    peak_tflops: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    finetune: bool = False
+    keep_last_n_checkpoints: Optional[int] = None
+    strict_load: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs, resolved from the flags once (saved beside each checkpoint)."""
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    training: TrainingConfig
+    data: DataConfig
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    deepspeed_config: Optional[str] = None

@@ -106,7 +106,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     for kind, groups in layout.items():
         for ranks in groups:
             # new_group is collective: every rank creates every group in the same order.
-            group = dist.new_group(ranks) if world_size > 1 else None
+            group = dist.new_group(ranks) if dist.is_initialized() else None
             if rank in ranks:
                 mine[kind] = (group, tuple(ranks))
     _STATE = ParallelState(

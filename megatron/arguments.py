@@ -1,0 +1,250 @@
+"""Command-line flags (Megatron's names, the BLOOM document's spellings as aliases, DeepSpeed's own).
+
+parse_args() returns the argparse Namespace; build_config() turns it into the typed, frozen Config once.
+Nothing after build_config reads argparse.
+"""
+import argparse
+import os
+
+from megatron.config import (ATTENTION_IMPLS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
+                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig, pad_vocab_size)
+
+
+def _model_flags(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP")
+    g.add_argument("--pad-vocab-size-to", type=int, default=None, help="pad the vocabulary to exactly this size")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
+    g.add_argument("--embed-layernorm", dest="embed_layernorm", action="store_true", default=True,
+                   help="LayerNorm after the word embeddings (BLOOM; on by default)")
+    g.add_argument("--no-embed-layernorm", dest="embed_layernorm", action="store_false")
+    g.add_argument("--position-embedding-type", default="alibi", choices=["alibi"])
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS)
+    g.add_argument("--fused-layernorm", action="store_true", help="csrc mixed-precision LayerNorm (CUDA)")
+    g.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true")
+    g.add_argument("--loss-chunk-size", type=int, default=0,
+                   help="tokens per chunk of the LM head + loss (0: whole micro batch at once)")
+
+
+def _parallel_flags(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", "--model-parallel-size", dest="tensor_model_parallel_size",
+                   type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", "--pipe-parallel-size", dest="pipeline_model_parallel_size",
+                   type=int, default=1)
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="set by the deepspeed launcher")
+
+
+def _training_flags(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", "--batch-size", dest="global_batch_size", type=int, default=None,
+                   help="default: micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true", help="SIGTERM/SIGINT: save and exit 0")
+    g.add_argument("--max-nan-iterations", type=int, default=3)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--partition-activations", action="store_true")
+
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", "--warmup", dest="lr_warmup_iters", type=float, default=0,
+                   help="iterations of linear warmup (a value below 1 is a fraction of --lr-decay-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=None, help="gradient-norm clipping (default 1.0; 0 = off)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+    g = parser.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _deepspeed_flags(parser):
+    g = parser.add_argument_group("deepspeed")
+    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility: DeepSpeed is the engine")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
+    g.add_argument("--zero-stage", type=int, default=None)
+    g.add_argument("--cpu-offload", action="store_true", help="ZeRO optimizer state on the CPU")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="accepted for compatibility (DeepSpeed's checkpointing is used with --partition-activations)")
+
+
+def _data_flags(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=[], help="prefix, or weight prefix weight prefix ...")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
+    g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "PretrainedFromHF"], default=None,
+                   help="default: GPT2BPETokenizer with --vocab-file/--merge-file, else PretrainedFromHF")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-name-or-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--data-cache-dir", default=None, help="where index files go (default: beside the data)")
+    g.add_argument("--mock-data", action="store_true", help="synthetic random tokens (benchmarks)")
+    g.add_argument("--mock-vocab-size", type=int, default=50257)
+
+
+def _logging_checkpoint_flags(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None, help="JSON lines of per-iteration metrics (default: "
+                   "metrics.jsonl in --tensorboard-dir or --save)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="device bf16 peak for MFU (default: measured once at start-up on CUDA)")
+
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; restart iterations at 0")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None)
+    g.add_argument("--strict-load", action="store_true", help="stop instead of falling back to an older checkpoint")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description="Pretrain a BLOOM-architecture model with DeepSpeed",
+                                     allow_abbrev=False)
+    for add in (_model_flags, _parallel_flags, _training_flags, _deepspeed_flags, _data_flags,
+                _logging_checkpoint_flags):
+        add(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def world_size_from_env():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_data_paths(args):
+    if args.mock_data:
+        return
+    if not args.data_path:
+        raise ValueError("--data-path is required (the prefix of a .bin/.idx pair made by "
+                         "tools/preprocess_data.py), or pass --mock-data for synthetic tokens")
+    prefixes = args.data_path if len(args.data_path) == 1 else args.data_path[1::2]
+    if len(args.data_path) > 1:
+        if len(args.data_path) % 2 != 0:
+            raise ValueError(f"--data-path with several datasets takes weight prefix pairs; got "
+                             f"{len(args.data_path)} values")
+        for weight in args.data_path[0::2]:
+            try:
+                float(weight)
+            except ValueError:
+                raise ValueError(f"--data-path weight {weight!r} is not a number; write "
+                                 "--data-path 0.7 prefix_a 0.3 prefix_b") from None
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist; run "
+                                 "tools/preprocess_data.py first or fix the prefix (no .bin/.idx suffix)")
+
+
+def build_config(args, world_size, tokenizer_vocab_size):
+    """Validates every cross-flag rule and returns the frozen Config. Raises ValueError naming the flags."""
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are both set; choose one")
+    import torch
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    parallel = ParallelConfig(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, world_size,
+                              backend, args.distributed_timeout_minutes)
+    if args.pipeline_model_parallel_size > args.num_layers:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} is larger than "
+                         f"--num-layers {args.num_layers}; every stage needs at least one layer")
+    padded_vocab = pad_vocab_size(tokenizer_vocab_size, args.make_vocab_size_divisible_by,
+                                  args.tensor_model_parallel_size, args.pad_vocab_size_to)
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=padded_vocab, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size, layernorm_epsilon=args.layernorm_epsilon,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, embed_layernorm=args.embed_layernorm,
+        position_embedding_type=args.position_embedding_type,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        attention_impl=args.attention_impl, checkpoint_activations=args.checkpoint_activations,
+        fused_layernorm=args.fused_layernorm, loss_chunk_size=args.loss_chunk_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, seed=args.seed)
+
+    dp = parallel.data_parallel_size
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if args.train_iters is None and args.train_samples is None:
+        raise ValueError("pass --train-iters or --train-samples")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError("--train-iters and --train-samples are both set; pass one")
+    train_iters = args.train_iters if args.train_iters is not None else args.train_samples // global_batch
+    decay_iters = args.lr_decay_iters or train_iters
+    warmup = args.lr_warmup_iters
+    warmup_iters = int(round(warmup * decay_iters)) if 0 < warmup < 1 else int(warmup)
+    optimizer = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters, weight_decay=args.weight_decay,
+        clip_grad=1.0 if args.clip_grad is None else args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum)
+    precision = PrecisionConfig(bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
+                                initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+                                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, data_parallel_size=dp,
+        train_iters=train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        log_interval=args.log_interval, exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins, exit_signal_handler=args.exit_signal_handler,
+        max_nan_iterations=args.max_nan_iterations, zero_stage=args.zero_stage or 0, cpu_offload=args.cpu_offload,
+        checkpoint_activations=args.checkpoint_activations, partition_activations=args.partition_activations,
+        seed=args.seed)
+    _check_data_paths(args)
+    data = DataConfig(
+        data_path=tuple(args.data_path), split=args.split, tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_name_or_path=args.tokenizer_name_or_path,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, pad_vocab_size_to=args.pad_vocab_size_to,
+        num_workers=args.num_workers, data_cache_dir=args.data_cache_dir, mock_data=args.mock_data,
+        mock_vocab_size=args.mock_vocab_size)
+    metrics_dir = args.tensorboard_dir or args.save
+    logging_config = LoggingConfig(
+        log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops,
+        metrics_file=args.metrics_file or (os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None))
+    checkpoint = CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, no_save_optim=args.no_save_optim, finetune=args.finetune,
+        keep_last_n_checkpoints=args.keep_last_n_checkpoints, strict_load=args.strict_load)
+    return Config(model=model, parallel=parallel, optimizer=optimizer, precision=precision, training=training,
+                  data=data, logging=logging_config, checkpoint=checkpoint, deepspeed_config=args.deepspeed_config)

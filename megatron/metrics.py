@@ -1,0 +1,65 @@
+"""Model FLOPs (Megatron paper eq. 3), the measured GEMM peak for MFU, and the per-iteration log line."""
+import time
+
+import torch
+
+
+def model_flops_per_iteration(batch_size, seq_length, num_layers, hidden_size, vocab_size,
+                              activation_recompute=False):
+    """Training FLOPs of one iteration (Narayanan et al. 2021, eq. 3):
+
+        72 B s l h^2 (1 + s / 6h + V / 12lh)          (forward + backward)
+        96 B s l h^2 (1 + s / 6h + V / 16lh)          (with full activation recomputation)
+    B: global batch, s: sequence, l: layers, h: hidden, V: padded vocabulary.
+    """
+    b, s, l, h, v = batch_size, seq_length, num_layers, hidden_size, vocab_size
+    if activation_recompute:
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def measure_matmul_tflops(device, dtype=None, size=None, iters=None):
+    """Achieved dense GEMM rate on this device (bf16 8192^3 on CUDA, fp32 1024^3 on CPU): the MFU denominator."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    size = size or (8192 if cuda else 1024)
+    iters = iters or (20 if cuda else 3)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize(device)
+    return 2 * size ** 3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def format_log_line(m):
+    """One dense line from a dict of iteration metrics (keys as below; absent optional ones are left out)."""
+    parts = [
+        f"iteration {m['iteration']:8d}/{m['train_iters']:8d}",
+        f"consumed samples: {m['consumed_samples']:12d}",
+        f"consumed tokens: {m['consumed_tokens']:14d}",
+        f"elapsed time per iteration (ms): {m['ms_per_iteration']:.1f}",
+        f"learning rate: {m['lr']:.3E}",
+        f"global batch size: {m['global_batch_size']:5d}",
+        f"lm loss: {m['lm_loss']:.6E}",
+    ]
+    if m.get("loss_scale") is not None:
+        parts.append(f"loss scale: {m['loss_scale']:.1f}")
+    if m.get("grad_norm") is not None:
+        parts.append(f"grad norm: {m['grad_norm']:.3f}")
+    parts += [
+        f"number of skipped iterations: {m['skipped_iterations']:3d}",
+        f"number of nan iterations: {m['nan_iterations']:3d}",
+        f"samples per second: {m['samples_per_second']:.3f}",
+        f"tokens per second: {m['tokens_per_second']:.1f}",
+        f"TFLOP/s per GPU: {m['tflops']:.2f}",
+    ]
+    if m.get("mfu") is not None:
+        parts.append(f"MFU: {100 * m['mfu']:.1f}%")
+    return " | ".join(parts) + " |"

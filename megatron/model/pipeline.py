@@ -1,0 +1,117 @@
+"""The BLOOM network as a DeepSpeed PipelineModule: the same layers as BloomModel, split into stages.
+
+    [TiedLayerSpec embed: BloomEmbedding] [BloomBlockPipe x L] [FinalLayerNorm] [TiedLayerSpec embed: LM head]
+
+The word embedding lives on the first and the last stage; DeepSpeed all-reduces its gradient over the
+embedding group. Between stages only the hidden states (B, S, H) travel. The loss function receives the
+vocab-parallel logits and the labels. canonical_state_dict() renames the module's parameters to the
+names BloomModel uses, so checkpoints and tools see one layout whatever the PP size.
+"""
+import re
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.model.bloom import BloomBlock, BloomEmbedding, make_layernorm, parallel_lm_logits
+
+
+class EmbeddingPipe(BloomEmbedding):
+    @property
+    def word_embeddings_weight(self):
+        return self.word_embeddings.weight
+
+
+class BloomBlockPipe(BloomBlock):
+    def forward(self, hidden):
+        return super().forward(hidden)
+
+
+class FinalLayerNormPipe(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.final_layernorm = make_layernorm(config, config.hidden_size)
+
+    def forward(self, hidden):
+        return self.final_layernorm(hidden)
+
+
+def _lm_head(embedding, hidden):
+    return parallel_lm_logits(hidden, embedding.word_embeddings_weight, embedding.word_embeddings.tp_group)
+
+
+class _LossFn:
+    """Mean vocab-parallel cross entropy of (logits, labels); picklable for DeepSpeed."""
+
+    def __init__(self, tp_group):
+        self.tp_group = tp_group
+
+    def __call__(self, logits, labels):
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+
+
+def build_pipeline_model(config, topology, checkpoint_activations=False, activation_checkpoint_func=None):
+    """PipelineModule for config (ModelConfig) over DeepSpeed's PipeModelDataParallelTopology."""
+    specs = [TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr="word_embeddings_weight")]
+    specs += [LayerSpec(BloomBlockPipe, config, i) for i in range(config.num_layers)]
+    specs += [LayerSpec(FinalLayerNormPipe, config)]
+    specs += [TiedLayerSpec("embed", EmbeddingPipe, config, forward_fn=_lm_head,
+                            tied_weight_attr="word_embeddings_weight")]
+    return PipelineModule(
+        layers=specs, loss_fn=_LossFn(parallel_state.get_tensor_model_parallel_group()), topology=topology,
+        partition_method="type:BloomBlockPipe",
+        activation_checkpoint_interval=1 if checkpoint_activations else 0,
+        activation_checkpoint_func=activation_checkpoint_func or tensor_parallel.checkpoint,
+        checkpointable_layers=["BloomBlockPipe"])
+
+
+_NUMBERED = re.compile(r"^(\d+)\.(.*)$")
+
+
+def canonical_name(name, num_layers):
+    """PipelineModule parameter name -> BloomModel name (None for names that are not model weights)."""
+    if name.startswith("tied_modules.embed."):
+        return "embedding." + name[len("tied_modules.embed."):]
+    match = _NUMBERED.match(name)
+    if match is None:
+        return None
+    index, rest = int(match.group(1)), match.group(2)
+    if 1 <= index <= num_layers:
+        return f"layers.{index - 1}.{rest}"
+    if index == num_layers + 1:
+        return rest  # final_layernorm.*
+    return None
+
+
+def canonical_state_dict(module, num_layers):
+    """State dict under BloomModel's names for a BloomModel or a PipelineModule stage."""
+    state = module.state_dict()
+    if not isinstance(module, PipelineModule):
+        return dict(state)
+    out = {}
+    for name, tensor in state.items():
+        new = canonical_name(name, num_layers)
+        if new is not None:
+            out[new] = tensor
+    return out
+
+
+def load_canonical_state_dict(module, state, num_layers):
+    """Inverse of canonical_state_dict: loads BloomModel-named tensors into a BloomModel or a stage."""
+    if not isinstance(module, PipelineModule):
+        return module.load_state_dict(state, strict=True)
+    own = module.state_dict()
+    mapped = {name: state[canonical_name(name, num_layers)] for name in own
+              if canonical_name(name, num_layers) is not None}
+    missing = [name for name in own if canonical_name(name, num_layers) is not None and name not in mapped]
+    if missing:
+        raise KeyError(f"checkpoint lacks weights for {missing[:3]}")
+    with torch.no_grad():
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name in mapped:
+                tensor.copy_(mapped[name])
+
+
+def is_pipeline_module(module):
+    return isinstance(module, PipelineModule)

@@ -1,0 +1,310 @@
+"""The train/eval loop on DeepSpeed: engine set-up, iterations, evaluation, logging, checkpoints, exits."""
+import json
+import logging
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing
+from megatron.core import parallel_state
+from megatron.metrics import format_log_line, measure_matmul_tflops, model_flops_per_iteration
+from megatron.optimizer import AnnealingLR, build_optimizer, get_param_groups
+
+logger = logging.getLogger(__name__)
+
+OOM_HINT = ("CUDA out of memory: lower --micro-batch-size (raise gradient accumulation through "
+            "--global-batch-size to keep the batch), add --checkpoint-activations, raise --zero-stage, "
+            "add --cpu-offload, or use more tensor/pipeline parallelism")
+
+
+def device():
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_model(config, state):
+    """BloomModel for PP = 1, a PipelineModule over DeepSpeed's topology for PP > 1."""
+    if state.pipeline_model_parallel_size == 1:
+        from megatron.model import BloomModel
+        return BloomModel(config.model)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from megatron.model.pipeline import build_pipeline_model
+    topology = PipeModelDataParallelTopology(num_pp=state.pipeline_model_parallel_size,
+                                             num_mp=state.tensor_model_parallel_size,
+                                             num_dp=state.data_parallel_size)
+    return build_pipeline_model(config.model, topology, config.training.checkpoint_activations)
+
+
+def setup_engine(config, ds_config, state):
+    """(engine, lr_scheduler): our model, param groups, optimizer and schedule inside deepspeed.initialize."""
+    import deepspeed
+    from megatron.core.parallel_state import DeepSpeedMPU
+
+    if config.training.partition_activations:
+        deepspeed.checkpointing.configure(DeepSpeedMPU(), partition_activations=True)
+    model = build_model(config, state)
+    opt = config.optimizer
+    optimizer = build_optimizer(get_param_groups(model, opt.weight_decay), opt, config.training.cpu_offload)
+    scheduler = AnnealingLR(optimizer, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters,
+                            opt.lr_decay_style)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+        mpu=DeepSpeedMPU() if state.pipeline_model_parallel_size == 1 else None, dist_init_required=False)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: %d parameters on this rank (%d in the whole model), %s, ZeRO %d", n_params,
+                config.model.num_parameters(), config.precision.name, config.training.zero_stage)
+    return engine, scheduler
+
+
+def _split(tokens):
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class PipeBatches:
+    """Adapts {"text": (B, S+1)} batches to the (inputs, labels) pairs DeepSpeed's pipeline engine reads."""
+
+    def __init__(self, loader_iter):
+        self.it = loader_iter
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return _split(next(self.it)["text"])
+
+
+def _dp_mean(value):
+    tensor = torch.tensor([value], dtype=torch.float64, device=device())
+    group = parallel_state.get_data_parallel_group()
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+        tensor /= parallel_state.get_data_parallel_world_size()
+    return tensor.item()
+
+
+def train_step(engine, data_iter, gradient_accumulation_steps, pipelined):
+    """One optimizer step over the global batch; returns the mean LM loss (same on every rank)."""
+    if pipelined:
+        return engine.train_batch(data_iter=data_iter).item()
+    total = 0.0
+    for _ in range(gradient_accumulation_steps):
+        inputs, labels = _split(next(data_iter)["text"].to(engine.device))
+        loss = engine(inputs, labels=labels).mean()
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    return _dp_mean(total / gradient_accumulation_steps)
+
+
+@torch.no_grad()
+def evaluate(engine, data_iter, eval_iters, pipelined):
+    """Mean LM loss over eval_iters global batches (eval_iters micro batches per DP rank without PP)."""
+    engine.eval()
+    losses = []
+    for _ in range(eval_iters):
+        if pipelined:
+            losses.append(engine.eval_batch(data_iter=data_iter).item())
+        else:
+            inputs, labels = _split(next(data_iter)["text"].to(engine.device))
+            losses.append(engine(inputs, labels=labels).mean().item())
+    engine.train()
+    return _dp_mean(sum(losses) / len(losses)) if not pipelined else sum(losses) / len(losses)
+
+
+class MetricsWriter:
+    """Rank 0's tensorboard scalars and metrics JSON lines."""
+
+    def __init__(self, logging_config, rank):
+        self.tb = self.jsonl = None
+        if rank != 0:
+            return
+        if logging_config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(logging_config.tensorboard_dir)
+        if logging_config.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(logging_config.metrics_file)), exist_ok=True)
+            self.jsonl = open(logging_config.metrics_file, "a")
+
+    def write(self, kind, metrics):
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"kind": kind, **metrics}) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            step = metrics["iteration"]
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and key != "iteration" and value is not None:
+                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self):
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+class ExitSignal:
+    """Records SIGTERM/SIGINT; the loop saves at the next iteration boundary (all ranks agree via all-reduce)."""
+
+    def __init__(self, enabled):
+        self.received = False
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self):
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device())
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+
+def _loss_scale(engine):
+    optimizer = getattr(engine, "optimizer", None)
+    scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
+    return float(scale) if isinstance(scale, (int, float)) and engine.fp16_enabled() else None
+
+
+def _grad_norm(engine):
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if torch.is_tensor(norm) else norm)
+
+
+def _peak_tflops(config):
+    if config.logging.peak_tflops:
+        return config.logging.peak_tflops
+    return measure_matmul_tflops(device()) if torch.cuda.is_available() else None
+
+
+def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=(0, 0), step_hook=None):
+    """Runs the loop. datasets: (train, valid, test) data loaders' iterables factory results; returns a summary.
+
+    step_hook(iteration, loss) is called after each iteration (tests use it to inject faults).
+    """
+    from megatron.data.samplers import build_pretraining_data_loader
+
+    state = parallel_state.get_parallel_state()
+    training, ckpt = config.training, config.checkpoint
+    pipelined = state.pipeline_model_parallel_size > 1
+    iteration, consumed = start
+    train_ds, valid_ds, _ = datasets
+    loader = build_pretraining_data_loader(train_ds, consumed, training.micro_batch_size, state.dp_rank,
+                                           state.data_parallel_size, config.data.num_workers)
+    data_iter = PipeBatches(iter(loader)) if pipelined else iter(loader)
+
+    def valid_iter():
+        if valid_ds is None:
+            return None
+        it = iter(build_pretraining_data_loader(valid_ds, 0, training.micro_batch_size, state.dp_rank,
+                                                state.data_parallel_size, 0))
+        return PipeBatches(it) if pipelined else it
+
+    writer = MetricsWriter(config.logging, state.rank)
+    exit_signal = ExitSignal(training.exit_signal_handler)
+    flops = model_flops_per_iteration(training.global_batch_size, config.model.seq_length, config.model.num_layers,
+                                      config.model.hidden_size, config.model.vocab_size,
+                                      training.checkpoint_activations)
+    peak = _peak_tflops(config)
+    tokens_per_iter = training.global_batch_size * config.model.seq_length
+    start_time = time.time()
+    window_loss, window_iters, window_start = 0.0, 0, time.perf_counter()
+    nan_streak = nan_total = 0
+    losses = {}
+    last_saved = None
+
+    def save():
+        nonlocal last_saved
+        if ckpt.save and last_saved != iteration:
+            checkpointing.save_checkpoint(engine, config, iteration, consumed, tokenizer)
+            last_saved = iteration
+
+    exit_reason = "finished"
+    while iteration < training.train_iters:
+        try:
+            loss = train_step(engine, data_iter, training.gradient_accumulation_steps, pipelined)
+        except torch.cuda.OutOfMemoryError as err:
+            raise RuntimeError(OOM_HINT) from err
+        iteration += 1
+        consumed += training.global_batch_size
+        losses[iteration] = loss
+        if step_hook is not None:
+            step_hook(iteration, loss)
+
+        if not math.isfinite(loss):
+            nan_streak += 1
+            nan_total += 1
+            if nan_streak >= training.max_nan_iterations and not config.precision.fp16:
+                raise FloatingPointError(
+                    f"lm loss is {loss} at iteration {iteration}, {nan_streak} iterations in a row "
+                    f"(--max-nan-iterations {training.max_nan_iterations}); usual causes: learning rate too high "
+                    "(--lr, --lr-warmup-iters), fp16 overflow (use --bf16), no clipping (--clip-grad). The last "
+                    f"good checkpoint is left as it was{' in ' + ckpt.save if ckpt.save else ''}")
+        else:
+            nan_streak = 0
+            window_loss += loss
+            window_iters += 1
+
+        if iteration % config.logging.log_interval == 0 or iteration == training.train_iters:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - window_start
+            n = iteration % config.logging.log_interval or config.logging.log_interval
+            per_iter = elapsed / n
+            tflops = flops / per_iter / state.world_size / 1e12
+            metrics = dict(
+                iteration=iteration, train_iters=training.train_iters, consumed_samples=consumed,
+                consumed_tokens=consumed * config.model.seq_length, ms_per_iteration=1000 * per_iter,
+                lr=scheduler.get_lr(), global_batch_size=training.global_batch_size,
+                lm_loss=window_loss / window_iters if window_iters else float("nan"),
+                loss_scale=_loss_scale(engine), grad_norm=_grad_norm(engine),
+                skipped_iterations=int(getattr(engine, "skipped_steps", 0)), nan_iterations=nan_total,
+                samples_per_second=training.global_batch_size / per_iter, tokens_per_second=tokens_per_iter / per_iter,
+                tflops=tflops, mfu=tflops / peak if peak else None)
+            logger.info(format_log_line(metrics))
+            writer.write("train", metrics)
+            window_loss, window_iters, window_start = 0.0, 0, time.perf_counter()
+
+        if training.eval_interval and iteration % training.eval_interval == 0 and valid_ds is not None:
+            _log_eval(engine, valid_iter(), training.eval_iters, pipelined, iteration, writer)
+        if ckpt.save_interval and iteration % ckpt.save_interval == 0:
+            save()
+        if training.exit_interval and iteration % training.exit_interval == 0:
+            exit_reason = f"--exit-interval {training.exit_interval}"
+        elif training.exit_duration_in_mins and _any_rank_over(time.time() - start_time,
+                                                               60 * training.exit_duration_in_mins):
+            exit_reason = f"--exit-duration-in-mins {training.exit_duration_in_mins}"
+        elif training.exit_signal_handler and exit_signal.any_rank():
+            exit_reason = "exit signal"
+        if exit_reason != "finished":
+            break
+
+    evaluated_last = training.eval_interval and iteration % training.eval_interval == 0
+    if valid_ds is not None and exit_reason == "finished" and training.eval_iters > 0 and not evaluated_last:
+        _log_eval(engine, valid_iter(), training.eval_iters, pipelined, iteration, writer)
+    save()
+    writer.close()
+    logger.info("training stopped at iteration %d (%s)", iteration, exit_reason)
+    return {"iteration": iteration, "consumed_samples": consumed, "losses": losses, "exit_reason": exit_reason}
+
+
+def _any_rank_over(value, limit):
+    flag = torch.tensor([1.0 if value > limit else 0.0], device=device())
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def _log_eval(engine, data_iter, eval_iters, pipelined, iteration, writer):
+    loss = evaluate(engine, data_iter, eval_iters, pipelined)
+    ppl = math.exp(min(20.0, loss))
+    logger.info("validation at iteration %d | lm loss: %.6E | lm loss PPL: %.6E |", iteration, loss, ppl)
+    writer.write("valid", {"iteration": iteration, "lm_loss": loss, "ppl": ppl})

@@ -1,0 +1,87 @@
+"""Pretrain a BLOOM-architecture model: parse flags -> validate everything -> build -> train.
+
+    deepspeed --num_gpus 2 pretrain_bloom.py --tensor-model-parallel-size 2 ... --deepspeed --deepspeed_config ds.json
+"""
+import logging
+import sys
+
+from megatron.arguments import build_config, parse_args, world_size_from_env
+from megatron.core.parallel_state import validate_parallel_sizes
+from megatron.deepspeed_config import build_deepspeed_config, load_user_config, reconcile_args
+from megatron.initialize import setup_logging
+
+logger = logging.getLogger("megatron")
+
+
+def build_tokenizer_from_args(args):
+    """The tokenizer named by the flags (GPT2BPETokenizer when --vocab-file and --merge-file are given)."""
+    from megatron.tokenizer import build_tokenizer
+    tokenizer_type = args.tokenizer_type
+    if tokenizer_type is None:
+        if args.vocab_file and args.merge_file:
+            tokenizer_type = "GPT2BPETokenizer"
+        elif args.tokenizer_name_or_path:
+            tokenizer_type = "PretrainedFromHF"
+        else:
+            raise ValueError("no tokenizer: pass --vocab-file and --merge-file (GPT2BPETokenizer) or "
+                             "--tokenizer-name-or-path (a local Hugging Face tokenizer folder)")
+    return build_tokenizer(tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                           tokenizer_name_or_path=args.tokenizer_name_or_path)
+
+
+def resolve_config(argv=None):
+    """Every check that can fail before any process group, model or data is built. Returns (config, ds, tok)."""
+    args = parse_args(argv)
+    world_size = world_size_from_env()
+    data_parallel_size = validate_parallel_sizes(world_size, args.tensor_model_parallel_size,
+                                                 args.pipeline_model_parallel_size)
+    user_ds = load_user_config(args.deepspeed_config)
+    reconcile_args(args, user_ds, data_parallel_size)
+    tokenizer = None if args.mock_data and not (args.vocab_file or args.tokenizer_name_or_path) \
+        else build_tokenizer_from_args(args)
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else args.mock_vocab_size
+    config = build_config(args, world_size, vocab_size)
+    return config, build_deepspeed_config(config, user_ds), tokenizer
+
+
+def build_datasets(config):
+    training = config.training
+    train_samples = training.train_iters * training.global_batch_size
+    eval_samples = (training.train_iters // max(training.eval_interval, 1) + 1) * training.eval_iters * \
+        training.global_batch_size
+    if config.data.mock_data:
+        from megatron.data.mock_dataset import MockGPTDataset
+        vocab = config.data.mock_vocab_size
+        return (MockGPTDataset(train_samples, config.model.seq_length, vocab, training.seed),
+                MockGPTDataset(eval_samples, config.model.seq_length, vocab, training.seed + 1), None)
+    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+    return build_train_valid_test_datasets(
+        list(config.data.data_path), config.data.split,
+        (train_samples, eval_samples, training.eval_iters * training.global_batch_size),
+        config.model.seq_length, training.seed, config.data.data_cache_dir)
+
+
+def main(argv=None, step_hook=None):
+    setup_logging()
+    try:
+        config, ds_config, tokenizer = resolve_config(argv)
+    except ValueError as err:
+        logger.error("%s", err)
+        sys.exit(2)
+
+    from megatron import checkpointing
+    from megatron.initialize import initialize_distributed, set_random_seeds
+    from megatron.training import pretrain, setup_engine
+
+    state = initialize_distributed(config.parallel)
+    set_random_seeds(config.training.seed, state)
+    engine, scheduler = setup_engine(config, ds_config, state)
+    start = (0, 0)
+    if config.checkpoint.load:
+        start = checkpointing.load_checkpoint(engine, config)
+    datasets = build_datasets(config)
+    return pretrain(config, engine, scheduler, datasets, tokenizer, start, step_hook)
+
+
+if __name__ == "__main__":
+    main()
