@@ -76,7 +76,7 @@ def main(argv=None, step_hook=None):
     state = initialize_distributed(config.parallel)
     set_random_seeds(config.training.seed, state)
     engine, scheduler = setup_engine(config, ds_config, state)
-    start = (0, 0)
+    start = None
     if config.checkpoint.load:
         start = checkpointing.load_checkpoint(engine, config)
     datasets = build_datasets(config)

@@ -263,15 +263,24 @@ def load_model_weights(module, folder, num_layers, zero_stage=0):
         load_canonical_state_dict(module, weights, num_layers)
 
 
+@dataclasses.dataclass
+class ResumeState:
+    """Where training continues: the RNG states are applied by the loop once its data iterators exist
+    (creating a DataLoader iterator draws from the default generator)."""
+    iteration: int = 0
+    consumed_samples: int = 0
+    rng_state: dict = None
+
+
 def load_checkpoint(engine, config):
-    """Resumes from --load. Returns (iteration, consumed_samples); (0, 0) when there is nothing to load."""
+    """Resumes from --load. Returns a ResumeState (all zero when there is nothing to load)."""
     ckpt = config.checkpoint
     folder = find_checkpoint(ckpt.load, strict=ckpt.strict_load)
     if folder is None:
         if ckpt.strict_load or ckpt.finetune:
             raise RuntimeError(f"--load {ckpt.load}: no complete checkpoint found")
         logger.warning("--load %s: no checkpoint found, starting from scratch", ckpt.load)
-        return 0, 0
+        return ResumeState()
     meta = read_meta(folder)
     state = parallel_state.get_parallel_state()
     same_layout = (meta.get("deepspeed_state") and
@@ -282,7 +291,7 @@ def load_checkpoint(engine, config):
         load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
         if ckpt.finetune:
             logger.info("loaded weights from %s for fine-tuning (iteration and optimizer restart)", folder)
-            return 0, 0
+            return ResumeState()
         logger.warning("loaded weights from %s; its layout (TP %s, PP %s, DP %s) differs or has no engine state, "
                        "so the optimizer and LR schedule restart", folder, meta["tensor_model_parallel_size"],
                        meta["pipeline_model_parallel_size"], meta["data_parallel_size"])
@@ -291,7 +300,8 @@ def load_checkpoint(engine, config):
         engine.load_checkpoint(root, tag=tag, load_optimizer_states=not ckpt.no_load_optim,
                                load_lr_scheduler_states=not ckpt.no_load_optim)
     rng_path = os.path.join(folder, f"rng_rank{state.rank:05d}.pt")
+    rng = None
     if not ckpt.no_load_rng and os.path.isfile(rng_path):
-        set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=False))
+        rng = torch.load(rng_path, map_location="cpu", weights_only=False)
     logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
-    return meta["iteration"], meta["consumed_samples"]
+    return ResumeState(meta["iteration"], meta["consumed_samples"], rng)

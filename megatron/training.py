@@ -185,7 +185,7 @@ def _peak_tflops(config):
     return measure_matmul_tflops(device()) if torch.cuda.is_available() else None
 
 
-def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=(0, 0), step_hook=None):
+def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, step_hook=None):
     """Runs the loop. datasets: (train, valid, test) data loaders' iterables factory results; returns a summary.
 
     step_hook(iteration, loss) is called after each iteration (tests use it to inject faults).
@@ -195,7 +195,8 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=(0, 0), 
     state = parallel_state.get_parallel_state()
     training, ckpt = config.training, config.checkpoint
     pipelined = state.pipeline_model_parallel_size > 1
-    iteration, consumed = start
+    start = start or checkpointing.ResumeState()
+    iteration, consumed = start.iteration, start.consumed_samples
     train_ds, valid_ds, _ = datasets
     loader = build_pretraining_data_loader(train_ds, consumed, training.micro_batch_size, state.dp_rank,
                                            state.data_parallel_size, config.data.num_workers)
@@ -208,6 +209,8 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=(0, 0), 
                                                 state.data_parallel_size, 0))
         return PipeBatches(it) if pipelined else it
 
+    if start.rng_state is not None:
+        checkpointing.set_rng_state(start.rng_state)  # after iter(loader), which draws from the generator
     writer = MetricsWriter(config.logging, state.rank)
     exit_signal = ExitSignal(training.exit_signal_handler)
     flops = model_flops_per_iteration(training.global_batch_size, config.model.seq_length, config.model.num_layers,
