@@ -1,0 +1,159 @@
+// PyTorch bindings of the fused kernels: tensor checks, output allocation, stream, then the raw-pointer launchers.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+#include "fused_kernels.h"
+
+namespace megatron_fused {
+namespace {
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "fused kernels: unsupported dtype ", t.scalar_type());
+  }
+  return DType::kFloat32;  // unreachable
+}
+
+bool aligned(const at::Tensor& t, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+}
+
+void check_cuda_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// x (B, nh, sq, sk) fp16/bf16; slopes (nh,) fp32; mask (Bm, 1, sq, sk) bool with Bm in {1, B} or none (causal).
+at::Tensor alibi_softmax_forward_op(const at::Tensor& x, const at::Tensor& slopes, double scale,
+                                    const std::optional<at::Tensor>& mask, bool causal) {
+  check_cuda_contiguous(x, "scores");
+  check_cuda_contiguous(slopes, "slopes");
+  TORCH_CHECK(x.dim() == 4, "scores must be (B, nh, sq, sk), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "scores must be fp16 or bf16");
+  TORCH_CHECK(slopes.scalar_type() == at::kFloat && slopes.numel() == x.size(1), "slopes must be fp32 (nh,)");
+  const int64_t batch = x.size(0), nh = x.size(1), sq = x.size(2), sk = x.size(3);
+  TORCH_CHECK(sk <= kMaxRowLength, "sk ", sk, " > ", kMaxRowLength);
+  const uint8_t* mask_ptr = nullptr;
+  int64_t mask_batch_stride = 0;
+  bool vectorized = sk % 8 == 0 && aligned(x, 16);
+  if (mask.has_value()) {
+    TORCH_CHECK(!causal, "causal and mask are exclusive");
+    const at::Tensor& m = *mask;
+    check_cuda_contiguous(m, "mask");
+    TORCH_CHECK(m.scalar_type() == at::kBool, "mask must be bool");
+    TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == batch) && m.size(1) == 1 && m.size(2) == sq &&
+                    m.size(3) == sk,
+                "mask must be (B or 1, 1, sq, sk), got ", m.sizes());
+    mask_ptr = reinterpret_cast<const uint8_t*>(m.data_ptr());
+    mask_batch_stride = m.size(0) == 1 ? 0 : sq * sk;
+    vectorized = vectorized && aligned(m, 8);
+  }
+  auto probs = at::empty_like(x);
+  vectorized = vectorized && aligned(probs, 16);
+  const c10::cuda::CUDAGuard guard(x.device());
+  alibi_softmax_forward(dtype_of(x), x.data_ptr(), slopes.data_ptr<float>(), mask_ptr, mask_batch_stride,
+                        probs.data_ptr(), batch, static_cast<int>(nh), static_cast<int>(sq), static_cast<int>(sk),
+                        static_cast<float>(scale), causal, vectorized, at::cuda::getCurrentCUDAStream());
+  return probs;
+}
+
+// grad_probs, probs (B, nh, sq, sk) -> grad_scores.
+at::Tensor alibi_softmax_backward_op(const at::Tensor& grad_probs, const at::Tensor& probs, double scale, bool causal) {
+  check_cuda_contiguous(grad_probs, "grad_probs");
+  check_cuda_contiguous(probs, "probs");
+  TORCH_CHECK(probs.dim() == 4 && grad_probs.sizes() == probs.sizes(), "grad_probs and probs must match");
+  TORCH_CHECK(grad_probs.scalar_type() == probs.scalar_type(), "grad_probs and probs must share a dtype");
+  TORCH_CHECK(probs.scalar_type() == at::kHalf || probs.scalar_type() == at::kBFloat16, "probs must be fp16 or bf16");
+  const int64_t batch = probs.size(0), nh = probs.size(1), sq = probs.size(2), sk = probs.size(3);
+  TORCH_CHECK(sk <= kMaxRowLength, "sk ", sk, " > ", kMaxRowLength);
+  auto grad_x = at::empty_like(probs);
+  const bool vectorized = sk % 8 == 0 && aligned(probs, 16) && aligned(grad_probs, 16) && aligned(grad_x, 16);
+  const c10::cuda::CUDAGuard guard(probs.device());
+  alibi_softmax_backward(dtype_of(probs), grad_probs.data_ptr(), probs.data_ptr(), grad_x.data_ptr(), batch,
+                         static_cast<int>(nh), static_cast<int>(sq), static_cast<int>(sk), static_cast<float>(scale),
+                         causal, vectorized, at::cuda::getCurrentCUDAStream());
+  return grad_x;
+}
+
+void check_layer_norm_params(const at::Tensor& x, const at::Tensor& weight, const char* name) {
+  check_cuda_contiguous(weight, name);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, name, " must be fp32");
+  TORCH_CHECK(weight.numel() == x.size(1), name, " must have hidden = ", x.size(1), " elements");
+}
+
+// x (rows, hidden) -> y (rows, hidden) in x.dtype, mean (rows,), rstd (rows,) fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_op(const at::Tensor& x, const at::Tensor& weight,
+                                                                     const at::Tensor& bias, double eps) {
+  check_cuda_contiguous(x, "input");
+  TORCH_CHECK(x.dim() == 2, "input must be (rows, hidden)");
+  check_layer_norm_params(x, weight, "weight");
+  check_layer_norm_params(x, bias, "bias");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(hidden > 0 && hidden <= kMaxRowLength, "hidden ", hidden, " not in [1, ", kMaxRowLength, "]");
+  auto y = at::empty_like(x);
+  auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  const int64_t vec_elems = 16 / x.element_size();
+  const bool vectorized = hidden % vec_elems == 0 && aligned(x, 16) && aligned(y, 16) && aligned(weight, 16) &&
+                          aligned(bias, 16);
+  const c10::cuda::CUDAGuard guard(x.device());
+  layer_norm_forward(dtype_of(x), x.data_ptr(), weight.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr(),
+                     mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, static_cast<int>(hidden),
+                     static_cast<float>(eps), vectorized, at::cuda::getCurrentCUDAStream());
+  return {y, mean, rstd};
+}
+
+// -> grad_x (rows, hidden) in x.dtype, grad_weight (hidden,) fp32, grad_bias (hidden,) fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                      const at::Tensor& weight, const at::Tensor& mean,
+                                                                      const at::Tensor& rstd) {
+  check_cuda_contiguous(grad_y, "grad_output");
+  check_cuda_contiguous(x, "input");
+  TORCH_CHECK(x.dim() == 2 && grad_y.sizes() == x.sizes(), "grad_output and input must be (rows, hidden)");
+  TORCH_CHECK(grad_y.scalar_type() == x.scalar_type(), "grad_output and input must share a dtype");
+  check_layer_norm_params(x, weight, "weight");
+  check_cuda_contiguous(mean, "mean");
+  check_cuda_contiguous(rstd, "rstd");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(hidden > 0 && hidden <= kMaxRowLength, "hidden ", hidden, " not in [1, ", kMaxRowLength, "]");
+  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows, "mean and rstd must have rows elements");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  auto grad_x = at::empty_like(x);
+  auto grad_w = at::empty({hidden}, weight.options());
+  auto grad_b = at::empty({hidden}, weight.options());
+  const int64_t parts = layer_norm_backward_partial_rows(rows, static_cast<int>(hidden), num_sms);
+  auto dw_part = at::empty({parts, hidden}, weight.options());
+  auto db_part = at::empty({parts, hidden}, weight.options());
+  const int64_t vec_elems = 16 / x.element_size();
+  const bool vectorized = hidden % vec_elems == 0 && aligned(x, 16) && aligned(grad_y, 16) && aligned(grad_x, 16) &&
+                          aligned(weight, 16);
+  layer_norm_backward(dtype_of(x), grad_y.data_ptr(), x.data_ptr(), weight.data_ptr<float>(), mean.data_ptr<float>(),
+                      rstd.data_ptr<float>(), grad_x.data_ptr(), grad_w.data_ptr<float>(), grad_b.data_ptr<float>(),
+                      dw_part.data_ptr<float>(), db_part.data_ptr<float>(), rows, static_cast<int>(hidden), num_sms,
+                      vectorized, at::cuda::getCurrentCUDAStream());
+  return {grad_x, grad_w, grad_b};
+}
+
+}  // namespace
+}  // namespace megatron_fused
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm)";
+  m.attr("max_row_length") = megatron_fused::kMaxRowLength;
+  m.def("alibi_softmax_forward", &megatron_fused::alibi_softmax_forward_op, "ALiBi softmax forward",
+        py::arg("scores"), py::arg("slopes"), py::arg("scale"), py::arg("mask") = py::none(), py::arg("causal") = true);
+  m.def("alibi_softmax_backward", &megatron_fused::alibi_softmax_backward_op, "ALiBi softmax backward",
+        py::arg("grad_probs"), py::arg("probs"), py::arg("scale"), py::arg("causal"));
+  m.def("layer_norm_forward", &megatron_fused::layer_norm_forward_op, "mixed LayerNorm forward", py::arg("input"),
+        py::arg("weight"), py::arg("bias"), py::arg("eps"));
+  m.def("layer_norm_backward", &megatron_fused::layer_norm_backward_op, "mixed LayerNorm backward",
+        py::arg("grad_output"), py::arg("input"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+}
