@@ -52,7 +52,8 @@ def torch_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
 
 
 def sdpa_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
-    bias = alibi_bias(slopes, q.shape[2], k.shape[2], key_padding_mask, dtype=q.dtype)
+    # Materialised: cuDNN's SDPA gave wrong results (25% relative error on the H200) for a broadcast (stride-0) bias.
+    bias = alibi_bias(slopes, q.shape[2], k.shape[2], key_padding_mask, dtype=q.dtype).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
 
 
@@ -72,13 +73,24 @@ def _causal_block_mask(sq, sk, device):
     return create_block_mask(causal, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=device)
 
 
-def flex_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
-    slopes = slopes.float()
+_SCORE_MODS = {}
 
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * kv_idx
+
+def _alibi_score_mod(slopes):
+    """One score_mod per distinct slope set, so the compiled kernel is reused by every layer."""
+    key = (str(slopes.device), tuple(slopes.tolist()))
+    if key not in _SCORE_MODS:
+        captured = slopes.float().clone()
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + captured[h] * kv_idx
+        _SCORE_MODS[key] = alibi
+    return _SCORE_MODS[key]
+
+
+def flex_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
     block_mask = _causal_block_mask(q.shape[2], k.shape[2], str(q.device))
-    return _compiled_flex()(q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale)
+    return _compiled_flex()(q, k, v, score_mod=_alibi_score_mod(slopes), block_mask=block_mask, scale=scale)
 
 
 def fused_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
@@ -111,13 +123,16 @@ class CoreAttention(nn.Module):
 
     def __init__(self, slopes, head_dim, attention_dropout=0.0, impl="auto"):
         super().__init__()
-        self.register_buffer("slopes", slopes, persistent=False)
+        # Kept out of the buffers on purpose: module.bfloat16() must not round the slopes.
+        self.slopes = slopes.float()
         self.scale = head_dim ** -0.5
         self.attention_dropout = attention_dropout
         self.impl = impl
         _log_once(f"attention: --attention-impl {impl}")
 
     def forward(self, q, k, v, key_padding_mask=None):
+        if self.slopes.device != q.device:
+            self.slopes = self.slopes.to(q.device)
         dropout_p = self.attention_dropout if self.training else 0.0
         backend = BACKENDS[resolve_backend(self.impl, q, dropout_p, key_padding_mask)]
         if dropout_p > 0:

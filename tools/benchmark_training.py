@@ -1,0 +1,239 @@
+"""Training throughput of our BLOOM (the real pretrain path on DeepSpeed) against HF BloomForCausalLM.
+
+    python tools/benchmark_training.py                       # the document's 1.72B model, micro 4, accumulation 8
+    python tools/benchmark_training.py --small --iters 2     # tiny model for a CPU smoke test
+
+Each side runs in its own subprocess (so memory is measured cleanly) with the same shapes, micro batch, gradient
+accumulation, bf16 and fused AdamW. Printed for both: tokens/s, model TFLOP/s (Megatron's formula), MFU against
+the GEMM rate measured on this device, peak memory, and our/HF ratios.
+"""
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DOC_MODEL = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=250880)
+SMALL_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1024)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=8, help="micro batches per optimizer step")
+    p.add_argument("--iters", type=int, default=3, help="timed optimizer steps")
+    p.add_argument("--warmup-iters", type=int, default=1)
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "flex", "sdpa", "fused", "torch"])
+    p.add_argument("--loss-chunk-size", type=int, default=8192)
+    p.add_argument("--fused-layernorm", action="store_true")
+    p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="tiny model (CPU smoke test)")
+    p.add_argument("--only", choices=["ours", "hf"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one more step and print GPU time by category")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def _sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CATEGORIES = [  # (category, substrings of kernel names), first match wins
+    ("communication", ("nccl", "allreduce", "all_reduce", "gloo")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_adam")),
+    ("attention", ("flash", "flex", "attention", "softmax", "fmha", "triton_tem")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "sm90", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+]
+
+
+def categorize(name):
+    lower = name.lower()
+    for category, keys in CATEGORIES:
+        if any(key in lower for key in keys):
+            return category
+    return "elementwise/other"
+
+
+def _profile(step, device):
+    """GPU (or CPU) self time of one step by category, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    totals = {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if us > 0:
+            totals[categorize(event.key)] = totals.get(categorize(event.key), 0.0) + us / 1000
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+PROFILE = {}
+
+
+def _timed(step, args, device):
+    import torch
+    for _ in range(args.warmup_iters):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    _sync(device)
+    seconds = (time.perf_counter() - start) / args.iters
+    if args.profile:
+        PROFILE.update(_profile(step, device))
+    return seconds
+
+
+def run_ours(args, shape):
+    import torch
+    import pretrain_bloom
+    from megatron.initialize import initialize_distributed, set_random_seeds
+    from megatron.training import setup_engine, train_step
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.data.samplers import build_pretraining_data_loader
+
+    global_batch = args.micro_batch_size * args.grad_accum
+    argv = ["--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
+            "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
+            "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(global_batch),
+            "--train-iters", str(args.iters + args.warmup_iters + 1), "--lr", "1e-4", "--mock-data",
+            "--mock-vocab-size", str(shape["vocab_size"]), "--pad-vocab-size-to", str(shape["vocab_size"]),
+            "--attention-impl", args.attention_impl, "--loss-chunk-size", str(args.loss_chunk_size),
+            "--zero-stage", str(args.zero_stage), "--deepspeed"]
+    if torch.cuda.is_available():
+        argv.append("--bf16")
+    if args.checkpoint_activations:
+        argv.append("--checkpoint-activations")
+    if args.fused_layernorm:
+        argv.append("--fused-layernorm")
+    config, ds_config, _ = pretrain_bloom.resolve_config(argv)
+    state = initialize_distributed(config.parallel)
+    set_random_seeds(config.training.seed, state)
+    engine, _ = setup_engine(config, ds_config, state)
+    total = (args.iters + args.warmup_iters + int(args.profile)) * global_batch
+    loader = build_pretraining_data_loader(MockGPTDataset(total, shape["seq_length"], shape["vocab_size"]), 0,
+                                           args.micro_batch_size, 0, 1, num_workers=2 if torch.cuda.is_available()
+                                           else 0)
+    it = iter(loader)
+    losses = []
+    seconds = _timed(lambda: losses.append(train_step(engine, it, args.grad_accum, False)), args, engine.device)
+    return seconds, engine.device, losses
+
+
+def run_hf(args, shape):
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM
+    from megatron.data.mock_dataset import MockGPTDataset
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = BloomConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                         n_layer=shape["num_layers"], n_head=shape["num_attention_heads"])
+    model = BloomForCausalLM(config).to(device)
+    if args.checkpoint_activations:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    data = MockGPTDataset(10 ** 6, shape["seq_length"] - 1, shape["vocab_size"])
+    cursor = [0]
+    losses = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def step():
+        total = 0.0
+        for _ in range(args.grad_accum):
+            rows = [data[cursor[0] + i]["text"] for i in range(args.micro_batch_size)]
+            cursor[0] += args.micro_batch_size
+            ids = torch.tensor(rows, device=device)
+            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                loss = model(ids, labels=ids).loss / args.grad_accum
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+
+    return _timed(step, args, device), device, losses
+
+
+def measure(args):
+    """Runs one side in this process and returns its figures."""
+    import torch
+    from megatron.metrics import measure_matmul_tflops, model_flops_per_iteration
+
+    shape = SMALL_MODEL if args.small else DOC_MODEL
+    seconds, device, losses = (run_ours if args.only == "ours" else run_hf)(args, shape)
+    global_batch = args.micro_batch_size * args.grad_accum
+    tokens = global_batch * shape["seq_length"]
+    flops = model_flops_per_iteration(global_batch, shape["seq_length"], shape["num_layers"], shape["hidden_size"],
+                                      shape["vocab_size"], args.checkpoint_activations)
+    peak_mem = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    gc.collect()
+    gemm = measure_matmul_tflops(device)
+    tflops = flops / seconds / 1e12
+    return {"side": args.only, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "seconds_per_iteration": seconds, "tokens_per_second": tokens / seconds, "model_tflops": tflops,
+            "gemm_tflops": gemm, "mfu": tflops / gemm, "peak_memory_gib": peak_mem, "losses": losses,
+            "profile_ms": dict(PROFILE)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.only:
+        print("RESULT " + json.dumps(measure(args)), flush=True)
+        return
+    results = {}
+    sides = ["ours"] + ([] if args.skip_hf else ["hf"])
+    base = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--skip-hf",)]
+    for side in sides:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *base, "--only", side], env=env,
+                              capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            raise SystemExit(f"benchmark side {side!r} failed (exit {proc.returncode})")
+        results[side] = json.loads(lines[-1][len("RESULT "):])
+    shape = SMALL_MODEL if args.small else DOC_MODEL
+    print(f"model {shape}, micro batch {args.micro_batch_size}, accumulation {args.grad_accum}, "
+          f"checkpoint activations {args.checkpoint_activations}, attention {args.attention_impl}")
+    print(f"{'':6s} {'tokens/s':>10s} {'TFLOP/s':>9s} {'MFU':>7s} {'GEMM TFLOP/s':>13s} {'peak GiB':>9s}")
+    for side, r in results.items():
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
+        print(f"{side:6s} {r['tokens_per_second']:10.1f} {r['model_tflops']:9.2f} {100 * r['mfu']:6.1f}% "
+              f"{r['gemm_tflops']:13.1f} {mem:>9s}")
+    for side, r in results.items():
+        if r.get("profile_ms"):
+            total = sum(r["profile_ms"].values())
+            print(f"{side} profile of one step ({total:.1f} ms of kernel time): " + ", ".join(
+                f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in r["profile_ms"].items()))
+    if "hf" in results:
+        ours, hf = results["ours"], results["hf"]
+        ratio = ours["tokens_per_second"] / hf["tokens_per_second"]
+        line = f"ratio ours/hf: throughput {ratio:.2f}x"
+        if ours["peak_memory_gib"] and hf["peak_memory_gib"]:
+            line += f", peak memory {ours['peak_memory_gib'] / hf['peak_memory_gib']:.2f}x"
+        print(line)
+        results["ratio"] = ratio
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
