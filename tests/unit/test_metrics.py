@@ -1,0 +1,61 @@
+"""The FLOPs formula, the per-iteration log line and the LR schedule."""
+import math
+
+import pytest
+import torch
+
+from megatron.metrics import format_log_line, model_flops_per_iteration
+from megatron.optimizer import AnnealingLR, get_param_groups
+
+
+def test_flops_formula_equals_its_expanded_terms():
+    b, s, l, h, v = 32, 2048, 24, 2048, 250880
+    # 72 B s l h^2 + 12 B s^2 l h + 6 B s h V: the three terms of eq. 3 multiplied out.
+    expanded = 72 * b * s * l * h * h + 12 * b * s * s * l * h + 6 * b * s * h * v
+    assert model_flops_per_iteration(b, s, l, h, v) == pytest.approx(expanded, rel=1e-12)
+    recompute = 96 * b * s * l * h * h + 16 * b * s * s * l * h + 6 * b * s * h * v
+    assert model_flops_per_iteration(b, s, l, h, v, activation_recompute=True) == pytest.approx(recompute, rel=1e-12)
+    # The document's model: 0.756 PFLOP per global batch of 32 x 2048 tokens (221 TFLOP/s at 19.2k tokens/s).
+    assert model_flops_per_iteration(b, s, l, h, v) / 1e15 == pytest.approx(0.75619, abs=1e-5)
+
+
+def test_log_line():
+    line = format_log_line(dict(
+        iteration=10, train_iters=100, consumed_samples=320, consumed_tokens=655360, ms_per_iteration=1234.5,
+        lr=6e-5, global_batch_size=32, lm_loss=7.25, loss_scale=65536.0, grad_norm=1.5, skipped_iterations=1,
+        nan_iterations=0, samples_per_second=25.92, tokens_per_second=53084.2, tflops=421.3, mfu=0.532))
+    assert line == (
+        "iteration       10/     100 | consumed samples:          320 | consumed tokens:         655360 | "
+        "elapsed time per iteration (ms): 1234.5 | learning rate: 6.000E-05 | global batch size:    32 | "
+        "lm loss: 7.250000E+00 | loss scale: 65536.0 | grad norm: 1.500 | number of skipped iterations:   1 | "
+        "number of nan iterations:   0 | samples per second: 25.920 | tokens per second: 53084.2 | "
+        "TFLOP/s per GPU: 421.30 | MFU: 53.2% |")
+    short = format_log_line(dict(
+        iteration=1, train_iters=2, consumed_samples=4, consumed_tokens=8, ms_per_iteration=1.0, lr=0.0,
+        global_batch_size=4, lm_loss=1.0, loss_scale=None, grad_norm=None, skipped_iterations=0, nan_iterations=0,
+        samples_per_second=1.0, tokens_per_second=2.0, tflops=0.0, mfu=None))
+    assert "loss scale" not in short and "grad norm" not in short and "MFU" not in short
+
+
+@pytest.mark.parametrize("style,step,expected", [
+    ("cosine", 0, 0.0), ("cosine", 5, 5e-4), ("cosine", 10, 1e-3), ("cosine", 55, 1e-4 + 9e-4 * 0.5),
+    ("cosine", 100, 1e-4), ("cosine", 150, 1e-4), ("linear", 55, 1e-4 + 9e-4 * 0.5), ("linear", 100, 1e-4),
+    ("constant", 80, 1e-3),
+])
+def test_lr_schedule(style, step, expected):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = AnnealingLR(optimizer, lr=1e-3, min_lr=1e-4, warmup_iters=10, decay_iters=100, decay_style=style)
+    schedule.step(step)
+    assert schedule.get_lr() == pytest.approx(expected, abs=1e-12)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, abs=1e-12)
+    restored = AnnealingLR(optimizer, lr=1e-3, min_lr=1e-4, warmup_iters=10, decay_iters=100, decay_style=style)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.get_lr() == schedule.get_lr()
+
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = get_param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
