@@ -25,8 +25,9 @@ def env(extra=None):
     return e
 
 
-def _cleanup_shm():
-    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+def _cleanup_shm(port):
+    """Removes the shared-memory buffers of the job on `port` only: other jobs may be starting right now."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         try:
             os.remove(path)
         except OSError:
@@ -35,15 +36,17 @@ def _cleanup_shm():
 
 def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True):
     """`deepspeed --num_gpus nproc pretrain_bloom.py args` (plain python for one process)."""
+    port = _free_port()
     if nproc == 1:
         cmd = [PYTHON, str(ROOT / "pretrain_bloom.py")] + list(args)
+        extra_env = {"MASTER_PORT": str(port), **(extra_env or {})}
     else:
-        cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(_free_port()),
+        cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(port),
                str(ROOT / "pretrain_bloom.py")] + list(args)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     finally:
-        _cleanup_shm()
+        _cleanup_shm(port)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

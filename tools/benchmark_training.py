@@ -51,7 +51,8 @@ def _sync(device):
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("communication", ("nccl", "allreduce", "all_reduce", "gloo")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_adam")),
-    ("attention", ("flash", "flex", "attention", "softmax", "fmha", "triton_tem")),
+    ("loss", ("log_softmax", "logsoftmax", "nll_loss", "cross_entropy")),
+    ("attention", ("flash", "flex", "attention", "softmax", "fmha", "triton_tem", "alibi")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "sm90", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
 ]
 

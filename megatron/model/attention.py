@@ -29,15 +29,18 @@ def _log_once(message):
 
 
 def alibi_bias(slopes, sq, sk, key_padding_mask=None, dtype=torch.float32):
-    """(B or 1, nh, sq, sk) additive bias: slope_h * j where allowed, the dtype's minimum where masked."""
+    """(B or 1, nh, sq, sk) additive bias: slope_h * (j - i) where allowed, the dtype's minimum where masked."""
     device = slopes.device
     j = torch.arange(sk, device=device)
     i = torch.arange(sq, device=device) + (sk - sq)
     allowed = (j[None, :] <= i[:, None])[None, None]  # (1, 1, sq, sk)
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :].bool()
-    bias = (slopes.float()[:, None, None] * j.float()).unsqueeze(0)  # (1, nh, 1, sk)
-    bias = bias.expand(allowed.shape[0], -1, sq, -1)
+    # slope * (j - i): softmax ignores the per-row constant -slope * i, and keeping the values near the diagonal
+    # small keeps them exact in bf16 (slope * j rounds to steps of 4 at j ~ 1000).
+    distance = (j[None, :] - i[:, None]).float()  # (sq, sk)
+    bias = slopes.float()[None, :, None, None] * distance  # (1, nh, sq, sk)
+    bias = bias.expand(allowed.shape[0], -1, -1, -1)
     return bias.masked_fill(~allowed, torch.finfo(torch.float32).min).to(dtype)
 
 

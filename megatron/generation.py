@@ -1,0 +1,124 @@
+"""Text generation for BloomModel with the KV cache: greedy, temperature, top-k, top-p; left-padded batches; stop at eod.
+
+    ids, mask = left_pad(prompts, pad_id)          # (B, S), (B, S) bool, prompts right-aligned
+    one forward of the whole prompt fills the cache, then one token per step: (B, 1) -> logits (B, V)
+
+ALiBi depends only on key positions relative to the query, and padded keys are masked out, so a left-padded
+row produces the same tokens as the same prompt alone (tests/unit/test_generation.py checks it).
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron.model.bloom import InferenceCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is picked: greedy argmax, or a draw from softmax(logits / temperature) restricted to
+    the top_k most likely tokens (0: all) and to the smallest set whose probability reaches top_p (1.0: all)."""
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature {self.temperature} must be > 0 (use --greedy for argmax decoding)")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k {self.top_k} must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p {self.top_p} must be in (0, 1] (1.0 disables it)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
+
+
+def filter_logits(logits, top_k=0, top_p=1.0):
+    """logits (B, V) with every token outside the top-k / nucleus set to -inf (at least one token survives)."""
+    logits = logits.clone()
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # drop a token when the tokens before it already reach top_p
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits[drop] = float("-inf")
+    return logits
+
+
+def sample_next_token(logits, params, generator=None):
+    """Next token ids (B,) from fp32 logits (B, V)."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts, pad_id):
+    """ids (B, S) with each prompt right-aligned after pad_id, and mask (B, S) True on real tokens."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must have at least one token; drop empty prompts")
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, length - len(prompt):] = True
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(model, prompts, params, eod_id, pad_id, generator=None, vocab_limit=None, sync_tokens=None):
+    """Continuations of token-id prompts (list of lists) as lists of ids, each ending at eod (included) or
+    after params.max_new_tokens tokens.
+
+    model: a BloomModel with parallel_output=False (full-vocabulary logits).
+    vocab_limit: ids >= vocab_limit (the padding rows of the embedding) are never produced.
+    sync_tokens: called on each step's (B,) tokens, returns the tokens every rank uses (tensor parallelism).
+    """
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    padded = not bool(mask.all())
+    cache = InferenceCache(model.config.num_layers)
+    logits = model(ids, attention_mask=mask if padded else None, cache=cache)[:, -1]  # (B, V)
+    batch = len(prompts)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    outputs = [[] for _ in range(batch)]
+    for step in range(params.max_new_tokens):
+        logits = logits.float()
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")
+        tokens = sample_next_token(logits, params, generator)
+        if sync_tokens is not None:
+            tokens = sync_tokens(tokens)
+        tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
+        for row in range(batch):
+            if not done[row]:
+                outputs[row].append(int(tokens[row]))
+        done |= tokens == eod_id
+        if bool(done.all()) or step == params.max_new_tokens - 1:
+            break
+        if padded:
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
+        logits = model(tokens[:, None], attention_mask=mask if padded else None, cache=cache)[:, -1]
+    return outputs
+
+
+def generate_batches(model, prompts, params, eod_id, pad_id, batch_size=1, seed=1234, vocab_limit=None,
+                     sync_tokens=None):
+    """generate() over prompts in batches of batch_size. Returns (outputs, generated tokens, seconds)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outputs += generate(model, prompts[i:i + batch_size], params, eod_id, pad_id, generator, vocab_limit,
+                            sync_tokens)
+    seconds = time.perf_counter() - start
+    return outputs, sum(len(o) for o in outputs), seconds

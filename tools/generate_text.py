@@ -1,0 +1,134 @@
+"""Generate text from a checkpoint of any TP x PP layout (merged in memory) or a Hugging Face BLOOM folder.
+
+    python tools/generate_text.py --load checkpoints --prompt "The cat" --prompt "Once upon a time" \
+        --max-new-tokens 32 --top-p 0.9 --temperature 0.8 --batch-size 2
+    torchrun --nproc_per_node 2 tools/generate_text.py --load checkpoints --greedy --prompt "The cat"
+
+One process runs the whole model; under torchrun (WORLD_SIZE > 1) the model runs tensor-parallel over all
+processes (TP = WORLD_SIZE, PP = 1), rank 0's token choices are broadcast each step and only rank 0 prints.
+Prompts of different lengths in one batch are left-padded with an attention mask.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--load", required=True,
+                        help="checkpoint folder (iter_XXXXXXX), its --save root, or a Hugging Face BLOOM folder")
+    parser.add_argument("--tokenizer-name-or-path", default=None,
+                        help="tokenizer folder (default: the checkpoint's tokenizer/ or the HF folder)")
+    parser.add_argument("--prompt", action="append", default=[], help="repeatable")
+    parser.add_argument("--prompts-file", default=None, help="one prompt per line (blank lines skipped)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                        help="auto: the stored dtype on GPU, fp32 on CPU")
+    parser.add_argument("--num-partitions", type=int, default=None, help="expected TP size of --load (checked)")
+    parser.add_argument("--output-file", default=None, help="also write JSON lines: prompt, ids, continuation")
+    return parser.parse_args(argv)
+
+
+def read_prompts(args):
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        if not os.path.isfile(args.prompts_file):
+            raise ValueError(f"--prompts-file {args.prompts_file}: no such file")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    return prompts
+
+
+def setup_tensor_parallel():
+    """(tp_size, tp_rank) under torchrun; (1, 0) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 1, 0
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    parallel_state.initialize_model_parallel(world, 1)
+    return world, dist.get_rank()
+
+
+def main(argv=None):
+    import torch
+
+    from megatron import checkpoint_tools
+    from megatron.generation import SamplingParams, generate_batches
+    from megatron.tokenizer import build_tokenizer
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tp, rank = 1, 0
+    try:
+        params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+        prompts = read_prompts(args)
+        merged = checkpoint_tools.load_any(args.load, args.num_partitions)
+        tokenizer_dir = args.tokenizer_name_or_path or merged.tokenizer_dir
+        if tokenizer_dir is None:
+            raise ValueError(f"--load {args.load} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
+        tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
+        if tokenizer.vocab_size > merged.config.vocab_size:
+            raise ValueError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's "
+                             f"vocabulary holds {merged.config.vocab_size}; pass the tokenizer it was trained with")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = (merged.dtype if device == "cuda" else torch.float32) if args.dtype == "auto" \
+            else checkpoint_tools.DTYPES[args.dtype]
+        tp, rank = setup_tensor_parallel()
+        model = checkpoint_tools.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    sync = None
+    if tp > 1:
+        import torch.distributed as dist
+
+        def sync(tokens):
+            dist.broadcast(tokens, src=0)
+            return tokens
+
+    prompt_ids = [tokenizer.tokenize(p) for p in prompts]
+    outputs, count, seconds = generate_batches(model, prompt_ids, params, tokenizer.eod, tokenizer.pad,
+                                               args.batch_size, args.seed, tokenizer.vocab_size, sync)
+    if rank == 0:
+        records = []
+        for i, (prompt, ids, out) in enumerate(zip(prompts, prompt_ids, outputs)):
+            text = tokenizer.detokenize([t for t in out if t != tokenizer.eod])
+            print(f"--- prompt {i + 1} ---\n{prompt}\n--- continuation ({len(out)} tokens"
+                  f"{', stopped at eod' if out and out[-1] == tokenizer.eod else ''}) ---\n{text}")
+            records.append({"prompt": prompt, "prompt_ids": ids, "generated_ids": out, "continuation": text})
+        print(f"generated {count} tokens in {seconds:.2f} s: {count / max(seconds, 1e-9):.1f} tokens/s "
+              f"(batch size {args.batch_size}, TP {tp}, {device}, {checkpoint_tools.DTYPE_NAMES[dtype]})")
+        if args.output_file:
+            with open(args.output_file, "w", encoding="utf-8") as f:
+                for record in records:
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    if tp > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
