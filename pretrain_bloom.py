@@ -40,8 +40,25 @@ def resolve_config(argv=None):
     tokenizer = None if args.mock_data and not (args.vocab_file or args.tokenizer_name_or_path) \
         else build_tokenizer_from_args(args)
     vocab_size = tokenizer.vocab_size if tokenizer is not None else args.mock_vocab_size
+    if args.load and args.pad_vocab_size_to is None:
+        _keep_saved_vocab(args, vocab_size)
     config = build_config(args, world_size, vocab_size)
     return config, build_deepspeed_config(config, user_ds), tokenizer
+
+
+def _keep_saved_vocab(args, tokenizer_vocab):
+    """Resuming (or fine-tuning) keeps the checkpoint's padded vocabulary, which depends on the TP size it was
+    trained with (128 x TP), instead of padding the tokenizer again for this run's TP size."""
+    from megatron.checkpointing import saved_model_config
+    saved = (saved_model_config(args.load) or {}).get("vocab_size")
+    if not saved or saved < tokenizer_vocab:
+        return
+    if saved % args.tensor_model_parallel_size != 0:
+        raise ValueError(f"--load {args.load}: its padded vocabulary ({saved}) is not divisible by "
+                         f"--tensor-model-parallel-size {args.tensor_model_parallel_size}; pick a TP size that "
+                         "divides it")
+    args.pad_vocab_size_to = saved
+    logger.info("keeping the checkpoint's padded vocabulary of %d (--pad-vocab-size-to overrides)", saved)
 
 
 def build_datasets(config):
@@ -63,24 +80,31 @@ def build_datasets(config):
 
 def main(argv=None, step_hook=None):
     setup_logging()
+    from megatron import checkpointing
     try:
         config, ds_config, tokenizer = resolve_config(argv)
+        if config.checkpoint.save:  # writable, with room for one more checkpoint
+            checkpointing.check_save_dir(config.checkpoint.save, checkpointing.checkpoint_bytes(
+                config.model.num_parameters(), config.precision.name, config.checkpoint.no_save_optim))
     except ValueError as err:
         logger.error("%s", err)
         sys.exit(2)
 
-    from megatron import checkpointing
     from megatron.initialize import initialize_distributed, set_random_seeds
-    from megatron.training import pretrain, setup_engine
+    from megatron.training import FatalTrainingError, pretrain, setup_engine
 
     state = initialize_distributed(config.parallel)
     set_random_seeds(config.training.seed, state)
     engine, scheduler = setup_engine(config, ds_config, state)
-    start = None
-    if config.checkpoint.load:
-        start = checkpointing.load_checkpoint(engine, config)
-    datasets = build_datasets(config)
-    return pretrain(config, engine, scheduler, datasets, tokenizer, start, step_hook)
+    try:
+        start = None
+        if config.checkpoint.load:
+            start = checkpointing.load_checkpoint(engine, config)
+        datasets = build_datasets(config)
+        return pretrain(config, engine, scheduler, datasets, tokenizer, start, step_hook)
+    except (checkpointing.CheckpointError, FatalTrainingError) as err:  # known causes: one line, exit 1
+        logger.error("%s", err)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

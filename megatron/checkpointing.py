@@ -12,6 +12,12 @@ Layout of <save>/iter_0000100/ (written under <save>/.tmp_iter_0000100/ and rena
     manifest.json           written last: every file's size and CRC32
 
 <save>/latest holds the tag of the newest complete checkpoint (DeepSpeed's format) and is replaced atomically.
+
+Crash safety (docs/FAULTS.md): every rank fsyncs what it wrote before rank 0 writes the manifest, so a folder
+named iter_* is complete unless the disk itself lost data, which the manifest's sizes and CRC32s then catch on
+--load. A .tmp_* folder left by a crash is never loaded and is removed by the next save. A save that fails
+(disk full, permissions) removes its .tmp_* folder and raises CheckpointError; `latest` and the older
+checkpoints are untouched.
 """
 import contextlib
 import dataclasses
@@ -20,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import zlib
 
 import torch
@@ -30,7 +37,12 @@ from megatron.core.tensor_parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
+TMP_PREFIX = ".tmp_"
 MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the folder, the cause and the fix."""
 
 
 def tag_for(iteration):
@@ -39,6 +51,10 @@ def tag_for(iteration):
 
 def shard_name(tp_rank, pp_rank):
     return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+def _comm_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _barrier():
@@ -66,10 +82,27 @@ def _write_json_atomic(path, obj):
 
 
 def _fsync_tree(folder):
-    for root, _, files in os.walk(folder):
+    """fsync every file and folder under folder (folders too: a rename or a new entry is only durable then)."""
+    for root, dirs, files in os.walk(folder):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def _fsync_dir(folder):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save_synced(obj, path):
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_manifest(folder, iteration):
@@ -92,10 +125,14 @@ def verify_checkpoint(folder):
         with open(manifest_path) as f:
             manifest = json.load(f)
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        return f"{manifest_path} is unreadable ({err})"
+        if not isinstance(files, dict) or not files:
+            return f"{manifest_path} lists no files"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
     for rel, info in files.items():
         path = os.path.join(folder, rel)
+        if not isinstance(info, dict) or "size" not in info or "crc32" not in info:
+            return f"{manifest_path} has a malformed entry for {rel}"
         if not os.path.isfile(path):
             return f"{path} is missing"
         if os.path.getsize(path) != info["size"]:
@@ -124,12 +161,13 @@ def read_latest(root):
 def find_checkpoint(root, strict=False):
     """The folder to resume from: `latest` if it verifies, else the newest complete one (logged).
 
-    With strict=True any problem with `latest` raises RuntimeError instead of falling back.
+    With strict=True any problem with `latest` raises CheckpointError instead of falling back. Folders
+    named .tmp_* (saves that did not finish) are never candidates.
     """
     if TAG_RE.match(os.path.basename(os.path.normpath(root))) and os.path.isdir(root):
         reason = verify_checkpoint(root)
         if reason:
-            raise RuntimeError(f"--load {root}: checkpoint is incomplete or corrupt: {reason}")
+            raise CheckpointError(f"--load {root}: checkpoint is incomplete or corrupt: {reason}")
         return root
     latest = read_latest(root)
     candidates = ([latest] if latest else []) + [t for t in list_checkpoints(root) if t != latest]
@@ -139,10 +177,25 @@ def find_checkpoint(root, strict=False):
         if reason is None:
             return folder
         if strict:
-            raise RuntimeError(f"--load {root}: checkpoint {tag} is incomplete or corrupt: {reason} "
-                               "(--strict-load is set; drop it to fall back to an older checkpoint)")
+            raise CheckpointError(f"--load {root}: checkpoint {tag} is incomplete or corrupt: {reason} "
+                                  "(--strict-load is set; drop it to fall back to an older checkpoint)")
         logger.warning("skipping checkpoint %s: %s", tag, reason)
     return None
+
+
+def choose_checkpoint(root, strict=False):
+    """find_checkpoint on rank 0 (one pass of CRC32s, not one per rank), its answer or error sent to all."""
+    answer = [None, None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            answer[0] = find_checkpoint(root, strict)
+        except RuntimeError as err:
+            answer[1] = str(err)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise CheckpointError(answer[1])
+    return answer[0]
 
 
 def _gathered(module, zero_stage):
@@ -182,60 +235,174 @@ def set_rng_state(state):
     get_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None):
-    """Collective: every rank calls it. Returns the final folder."""
+def _agree_on_failure(error):
+    """Collective: the lowest rank whose step failed (None when none did). Doubles as a barrier."""
+    state = parallel_state.get_parallel_state()
+    if not dist.is_initialized():
+        return None if error is None else state.rank
+    flag = torch.tensor([state.rank if error is not None else state.world_size], dtype=torch.int64,
+                        device=_comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    failed = int(flag.item())
+    return None if failed == state.world_size else failed
+
+
+def remove_stale_tmp(root):
+    """Removes .tmp_* folders and files left in root by a save that crashed. Returns their names."""
+    stale = sorted(n for n in os.listdir(root) if n.startswith(TMP_PREFIX)) if os.path.isdir(root) else []
+    for name in stale:
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        logger.warning("removed %s, left by a save that did not finish", path)
+    return stale
+
+
+def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None, fault_hook=None):
+    """Collective: every rank calls it. Returns the final folder.
+
+    Three steps, each closed by an all-reduce of a failure flag so that every rank raises together:
+    rank 0 prepares <save>/.tmp_iter_N; every rank writes and fsyncs its files; rank 0 writes meta, config,
+    tokenizer and the manifest, renames the folder to iter_N, replaces `latest`, then prunes.
+    fault_hook(stage) is the test-only fault injection point (megatron.fault_injection.TestFaults).
+    """
     root = config.checkpoint.save
     state = parallel_state.get_parallel_state()
     tag = tag_for(iteration)
-    tmp_tag = "." + "tmp_" + tag
-    tmp = os.path.join(root, tmp_tag)
-    if state.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
+    tmp = os.path.join(root, TMP_PREFIX + tag)
+    previous = read_latest(root) if state.rank == 0 else None
 
-    engine.save_checkpoint(root, tag=tmp_tag, save_latest=False,
-                           exclude_frozen_parameters=False)
-    shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage)
-    if state.dp_rank == 0:
-        torch.save(shard, os.path.join(tmp, shard_name(state.tp_rank, state.pp_rank)))
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{state.rank:05d}.pt"))
-    _barrier()
+    def fail(step, failed_rank, error):
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = f"{type(error).__name__}: {error}" if error is not None else f"see rank {failed_rank}'s error"
+        raise CheckpointError(
+            f"--save {root}: writing checkpoint {tag} failed on rank {failed_rank} while {step} ({cause}); "
+            f"the partial folder was removed and `latest` still names {previous or 'the previous checkpoint'}. "
+            f"Free space or fix permissions under {root}, then relaunch with --load {root}") from error
+
+    error = None
+    if state.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            remove_stale_tmp(root)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = err
+    failed = _agree_on_failure(error)
+    if failed is not None:
+        fail("creating the temporary folder", failed, error)
+
+    error = None
+    try:
+        engine.save_checkpoint(root, tag=TMP_PREFIX + tag, save_latest=False, exclude_frozen_parameters=False)
+        shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage)
+        if state.dp_rank == 0:
+            _torch_save_synced(shard, os.path.join(tmp, shard_name(state.tp_rank, state.pp_rank)))
+        _torch_save_synced(rng_state(), os.path.join(tmp, f"rng_rank{state.rank:05d}.pt"))
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            _fsync_tree(tmp)  # DeepSpeed's files; once per node is enough (fsync is per file, not per process)
+        if fault_hook is not None:
+            fault_hook("written")
+    except OSError as err:
+        error = err
+    failed = _agree_on_failure(error)
+    if failed is not None:
+        fail("writing its files", failed, error)
 
     final = os.path.join(root, tag)
+    error = None
     if state.rank == 0:
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
-                "tensor_model_parallel_size": state.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": state.pipeline_model_parallel_size,
-                "data_parallel_size": state.data_parallel_size, "zero_stage": config.training.zero_stage,
-                "precision": config.precision.name, "deepspeed_state": True}
-        _write_json_atomic(os.path.join(tmp, "meta.json"), meta)
-        _write_json_atomic(os.path.join(tmp, "config.json"), dataclasses.asdict(config))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
-        _fsync_tree(tmp)
-        write_manifest(tmp, iteration)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        _prune(root, config.checkpoint.keep_last_n_checkpoints)
+        try:
+            meta = {"iteration": iteration, "consumed_samples": consumed_samples,
+                    "tensor_model_parallel_size": state.tensor_model_parallel_size,
+                    "pipeline_model_parallel_size": state.pipeline_model_parallel_size,
+                    "data_parallel_size": state.data_parallel_size, "zero_stage": config.training.zero_stage,
+                    "precision": config.precision.name, "deepspeed_state": True}
+            _write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+            _write_json_atomic(os.path.join(tmp, "config.json"), dataclasses.asdict(config))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+            _fsync_tree(tmp)
+            write_manifest(tmp, iteration)
+            _fsync_dir(tmp)
+            if os.path.isdir(final):  # an older run's folder of the same iteration: set aside, then replaced
+                os.replace(final, os.path.join(root, TMP_PREFIX + "old_" + tag))
+            os.replace(tmp, final)
+            _write_text_atomic(os.path.join(root, "latest"), tag)
+            _fsync_dir(root)
+        except OSError as err:
+            error = err
+    failed = _agree_on_failure(error)
+    if failed is not None:
+        fail("writing the manifest", failed, error)
+    if state.rank == 0:
+        shutil.rmtree(os.path.join(root, TMP_PREFIX + "old_" + tag), ignore_errors=True)
+        _prune(root, config.checkpoint.keep_last_n_checkpoints, tag)
         logger.info("saved checkpoint %s", final)
     _barrier()
     return final
 
 
-def _prune(root, keep):
+def _write_text_atomic(path, text):
+    tmp = os.path.join(os.path.dirname(path), TMP_PREFIX + os.path.basename(path))
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root, keep, current):
+    """Keeps the newest `keep` complete checkpoints up to `current` (the one just saved, never removed).
+
+    Folders numbered above `current` belong to a run that was abandoned (this one resumed from an older
+    checkpoint): they are left alone and named in a warning.
+    """
+    current_iter = int(TAG_RE.match(current).group(1))
+    tags = list_checkpoints(root)
+    newer = [t for t in tags if int(TAG_RE.match(t).group(1)) > current_iter]
+    if newer:
+        logger.warning("%s holds checkpoints newer than %s from an earlier run (%s); `latest` names %s",
+                       root, current, ", ".join(newer), current)
     if not keep:
         return
-    for tag in list_checkpoints(root)[keep:]:
-        shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
-        logger.info("pruned checkpoint %s (--keep-last-n-checkpoints %d)", tag, keep)
+    older = [t for t in tags if int(TAG_RE.match(t).group(1)) <= current_iter]
+    for tag in older[keep:]:
+        if tag != current:
+            shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+            logger.info("pruned checkpoint %s (--keep-last-n-checkpoints %d)", tag, keep)
+
+
+def checkpoint_bytes(num_parameters, precision, no_save_optim=False):
+    """Estimated size of one checkpoint: the weights twice (DeepSpeed's module file and our
+    model_tp*_pp*.pt shards) plus Adam's state (fp32 master weights under bf16/fp16, and two moments)."""
+    weight = 4 if precision == "fp32" else 2
+    optimizer = 0 if no_save_optim else (8 if precision == "fp32" else 12)
+    return num_parameters * (2 * weight + optimizer)
+
+
+def check_save_dir(root, needed_bytes):
+    """Start-up check of --save: creatable, writable, and with room for one more checkpoint.
+    Raises ValueError with a one-line message naming --save."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=TMP_PREFIX + "probe_") as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise ValueError(f"--save {root} is not writable ({type(err).__name__}: {err}); pass a folder this "
+                         "user can create and write") from None
+    free = shutil.disk_usage(root).free
+    if free < needed_bytes:
+        raise ValueError(f"--save {root}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
+                         f"{needed_bytes / 2**30:.2f} GiB (weights twice + optimizer state); free space, "
+                         "lower --keep-last-n-checkpoints or point --save elsewhere")
+    return free
 
 
 def read_meta(folder):
@@ -275,10 +442,10 @@ class ResumeState:
 def load_checkpoint(engine, config):
     """Resumes from --load. Returns a ResumeState (all zero when there is nothing to load)."""
     ckpt = config.checkpoint
-    folder = find_checkpoint(ckpt.load, strict=ckpt.strict_load)
+    folder = choose_checkpoint(ckpt.load, strict=ckpt.strict_load)
     if folder is None:
         if ckpt.strict_load or ckpt.finetune:
-            raise RuntimeError(f"--load {ckpt.load}: no complete checkpoint found")
+            raise CheckpointError(f"--load {ckpt.load}: no complete checkpoint found")
         logger.warning("--load %s: no checkpoint found, starting from scratch", ckpt.load)
         return ResumeState()
     meta = read_meta(folder)
@@ -305,3 +472,21 @@ def load_checkpoint(engine, config):
         rng = torch.load(rng_path, map_location="cpu", weights_only=False)
     logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
     return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
+
+
+def saved_model_config(root):
+    """The "model" section of the config saved with the checkpoint --load would pick first (None if none)."""
+    folder = root if TAG_RE.match(os.path.basename(os.path.normpath(root))) else None
+    if folder is None:
+        latest = read_latest(root) if os.path.isdir(root) else None
+        tags = ([latest] if latest else []) + list_checkpoints(root)
+        folder = next((os.path.join(root, t) for t in tags if os.path.isfile(os.path.join(root, t, "config.json"))),
+                      None)
+    path = os.path.join(folder, "config.json") if folder else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f).get("model")
+    except (OSError, json.JSONDecodeError):
+        return None

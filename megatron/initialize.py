@@ -40,10 +40,10 @@ def initialize_distributed(parallel):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+    deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False, timeout=timeout)
     state = parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                                     parallel.pipeline_model_parallel_size)
+                                                     parallel.pipeline_model_parallel_size, timeout=timeout)
     logger.info("world %d = TP %d x PP %d x DP %d, backend %s", state.world_size,
                 state.tensor_model_parallel_size, state.pipeline_model_parallel_size, state.data_parallel_size,
                 parallel.distributed_backend)

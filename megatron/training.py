@@ -1,4 +1,9 @@
-"""The train/eval loop on DeepSpeed: engine set-up, iterations, evaluation, logging, checkpoints, exits."""
+"""The train/eval loop on DeepSpeed: engine set-up, iterations, evaluation, logging, checkpoints, exits.
+
+Fault handling (docs/FAULTS.md): SIGTERM/SIGINT and the exit flags save at an iteration boundary and return;
+a non-finite loss or gradient norm skips that iteration's update (NonFiniteGuard) and --max-nan-iterations in a
+row stop the run (NonFiniteError) without saving; TestFaults injects faults in tests (MEGATRON_TEST_FAULT).
+"""
 import json
 import logging
 import math
@@ -11,6 +16,7 @@ import torch.distributed as dist
 
 from megatron import checkpointing
 from megatron.core import parallel_state
+from megatron.fault_injection import TestFaults
 from megatron.metrics import format_log_line, measure_matmul_tflops, model_flops_per_iteration
 from megatron.optimizer import AnnealingLR, build_optimizer, get_param_groups
 
@@ -19,6 +25,14 @@ logger = logging.getLogger(__name__)
 OOM_HINT = ("CUDA out of memory: lower --micro-batch-size (raise gradient accumulation through "
             "--global-batch-size to keep the batch), add --checkpoint-activations, raise --zero-stage, "
             "add --cpu-offload, or use more tensor/pipeline parallelism")
+
+
+class FatalTrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what to change. pretrain_bloom.py exits 1 with it."""
+
+
+class NonFiniteError(FatalTrainingError):
+    """--max-nan-iterations iterations in a row had a non-finite loss or gradient norm."""
 
 
 def device():
@@ -52,6 +66,12 @@ def setup_engine(config, ds_config, state):
     optimizer = build_optimizer(get_param_groups(model, opt.weight_decay), opt, config.training.cpu_offload)
     scheduler = AnnealingLR(optimizer, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters,
                             opt.lr_decay_style)
+    if ds_config.get("bf16", {}).get("enabled"):
+        # DeepSpeed's ZeRO optimizers skip a bf16 step with a non-finite gradient only with this set
+        ds_config = {**ds_config, "bf16": {"check_grad_overflow": True, **ds_config["bf16"]}}
+        if not ds_config["bf16"]["check_grad_overflow"]:
+            logger.warning("DeepSpeed config bf16.check_grad_overflow is false: with ZeRO a non-finite gradient "
+                           "is applied to the weights instead of skipped")
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=DeepSpeedMPU() if state.pipeline_model_parallel_size == 1 else None, dist_init_required=False)
@@ -87,18 +107,30 @@ def _dp_mean(value):
     return tensor.item()
 
 
-def train_step(engine, data_iter, gradient_accumulation_steps, pipelined):
-    """One optimizer step over the global batch; returns the mean LM loss (same on every rank)."""
+def train_step(engine, data_iter, gradient_accumulation_steps, pipelined, guard=None, fire=None):
+    """One optimizer step over the global batch; returns the mean LM loss (same on every rank).
+
+    guard: NonFiniteGuard, told whether any micro batch's loss was non-finite before the boundary step.
+    fire(phase): the test-only fault hook ("forward", "backward", "step").
+    """
+    fire = fire or (lambda phase: None)
     if pipelined:
+        fire("forward")
         return engine.train_batch(data_iter=data_iter).item()
-    total = 0.0
-    for _ in range(gradient_accumulation_steps):
-        inputs, labels = _split(next(data_iter)["text"].to(engine.device))
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    for micro in range(gradient_accumulation_steps):
+        inputs, labels = _split(next(data_iter)["text"].to(engine.device, non_blocking=True))
+        fire("forward")
         loss = engine(inputs, labels=labels).mean()
+        if guard is not None:
+            guard.note_loss(loss)
+        fire("backward")
         engine.backward(loss)
+        if micro == gradient_accumulation_steps - 1:
+            fire("step")
         engine.step()
-        total += loss.item()
-    return _dp_mean(total / gradient_accumulation_steps)
+        total += loss.detach()  # no host sync inside the accumulation loop
+    return _dp_mean(total.item() / gradient_accumulation_steps)
 
 
 @torch.no_grad()
@@ -166,17 +198,98 @@ class ExitSignal:
         return flag.item() > 0
 
 
+class NonFiniteGuard:
+    """Keeps the update of an iteration with a non-finite loss or gradient out of the weights (bf16, fp32).
+
+    DeepSpeed's own optimizer wrappers (ZeRO 1-3, BF16_Optimizer, FP16_Optimizer) already skip such a step:
+    they set optimizer.overflow, and the engine then counts engine.skipped_steps, zeroes the gradients and
+    holds the LR schedule. The bare torch optimizer DeepSpeed uses in fp32 without ZeRO (PP = 1 and the
+    PipelineEngine) checks nothing, and DeepSpeed discards the gradient norm it computes there
+    (engine.get_global_grad_norm() is None). For that optimizer this class replaces
+    engine.clip_fp32_gradients and wraps optimizer.step so that the norm is measured (and logged), and a
+    non-finite norm or loss on any rank (one all-reduce over the world) turns the step into the same skip.
+
+    The norm: sqrt(sum of squared gradients), each TP-replicated parameter counted once per TP group and the
+    pipeline's tied word embedding once (on the first stage), summed over the TP x PP group.
+    """
+
+    def __init__(self, engine, state, clip_grad):
+        self.engine, self.clip_grad = engine, clip_grad
+        self.last_grad_norm = None
+        self.active = isinstance(engine.optimizer, torch.optim.Optimizer)
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device())
+        if not self.active:
+            return
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+        self._params = list(engine.module.parameters())
+        self._counted = [p for name, p in engine.module.named_parameters()
+                         if (state.tp_rank == 0 or is_model_parallel_parameter(p))
+                         and not (state.pp_rank > 0 and name.startswith("tied_modules."))]
+        self._mpu = _ModelParallelGroup(state.mp_group) if state.mp_group is not None else None
+        self._norm = None
+        self._optimizer_step = engine.optimizer.step
+        engine.optimizer.overflow = False
+        engine.optimizer.step = self._guarded_step
+        engine.clip_fp32_gradients = self._clip
+
+    def note_loss(self, loss):
+        """Records (on the device, no sync) whether a micro batch's loss was non-finite."""
+        self._loss_bad |= ~torch.isfinite(loss.detach()).all()
+
+    def grad_norm(self):
+        """The gradient norm of the last step (None where DeepSpeed's optimizer keeps it instead)."""
+        if self.active:
+            return self.last_grad_norm
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def _measure(self):
+        from deepspeed.runtime.utils import get_global_norm_of_tensors
+        grads = [p.grad for p in self._counted if p.grad is not None] or [torch.zeros(1, device=device())]
+        value = float(get_global_norm_of_tensors(grads, mpu=self._mpu))
+        return value if math.isfinite(value) and value >= 0 else float("inf")  # DeepSpeed masks inf/nan as -1
+
+    def _clip(self):
+        """Replaces DeepSpeed's clip_fp32_gradients (which discards the norm): same clipping rule."""
+        self._norm = self._measure()
+        if math.isfinite(self._norm):
+            coef = self.clip_grad / (self._norm + 1e-6)
+            if coef < 1.0:
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+
+    def _guarded_step(self, *args, **kwargs):
+        norm = self._measure() if self._norm is None else self._norm
+        self._norm = None
+        self.last_grad_norm = norm
+        bad = (self._loss_bad | (not math.isfinite(norm))).to(torch.float32).reshape(1)
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device())
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        optimizer = self.engine.optimizer
+        optimizer.overflow = bool(bad.item() > 0)
+        if optimizer.overflow:
+            return None  # the engine counts a skipped step, zeroes the gradients, holds the LR schedule
+        return self._optimizer_step(*args, **kwargs)
+
+
+class _ModelParallelGroup:
+    """The `mpu` deepspeed.runtime.utils' norm helpers read: sums over our TP x PP group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_model_parallel_group(self):
+        return self.group
+
+
 def _loss_scale(engine):
     optimizer = getattr(engine, "optimizer", None)
     scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
     return float(scale) if isinstance(scale, (int, float)) and engine.fp16_enabled() else None
-
-
-def _grad_norm(engine):
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm.item() if torch.is_tensor(norm) else norm)
 
 
 def _peak_tflops(config):
@@ -223,17 +336,25 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
     nan_streak = nan_total = 0
     losses = {}
     last_saved = None
+    last_good = (start.iteration, ckpt.load) if ckpt.load and start.iteration else None  # (iteration, root)
+    guard = NonFiniteGuard(engine, state, config.optimizer.clip_grad)
+    faults = TestFaults.from_env(state.rank)
 
     def save():
-        nonlocal last_saved
+        nonlocal last_saved, last_good
         if ckpt.save and last_saved != iteration:
-            checkpointing.save_checkpoint(engine, config, iteration, consumed, tokenizer)
+            checkpointing.save_checkpoint(engine, config, iteration, consumed, tokenizer,
+                                          fault_hook=lambda phase: faults.fire(iteration, "save"))
             last_saved = iteration
+            last_good = (iteration, ckpt.save)
 
     exit_reason = "finished"
     while iteration < training.train_iters:
+        faults.start_iteration(engine, iteration + 1)
+        skipped_before = int(getattr(engine, "skipped_steps", 0))
         try:
-            loss = train_step(engine, data_iter, training.gradient_accumulation_steps, pipelined)
+            loss = train_step(engine, data_iter, training.gradient_accumulation_steps, pipelined, guard,
+                              fire=lambda phase: faults.fire(iteration + 1, phase))
         except torch.cuda.OutOfMemoryError as err:
             raise RuntimeError(OOM_HINT) from err
         iteration += 1
@@ -242,15 +363,19 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
         if step_hook is not None:
             step_hook(iteration, loss)
 
-        if not math.isfinite(loss):
-            nan_streak += 1
+        skipped = int(getattr(engine, "skipped_steps", 0)) - skipped_before
+        nonfinite = _any_rank_over(0.0 if math.isfinite(loss) else 1.0, 0.5) or \
+            (skipped > 0 and not config.precision.fp16)  # bf16/fp32 skip only a non-finite gradient
+        if nonfinite:
             nan_total += 1
-            if nan_streak >= training.max_nan_iterations and not config.precision.fp16:
-                raise FloatingPointError(
-                    f"lm loss is {loss} at iteration {iteration}, {nan_streak} iterations in a row "
-                    f"(--max-nan-iterations {training.max_nan_iterations}); usual causes: learning rate too high "
-                    "(--lr, --lr-warmup-iters), fp16 overflow (use --bf16), no clipping (--clip-grad). The last "
-                    f"good checkpoint is left as it was{' in ' + ckpt.save if ckpt.save else ''}")
+            nan_streak += 1
+            if skipped == 0:
+                raise NonFiniteError(
+                    f"lm loss is {loss} at iteration {iteration} and the optimizer applied the update (is "
+                    "bf16.check_grad_overflow false in the DeepSpeed config?); stopping without saving. "
+                    + _where_to_resume(ckpt, last_good))
+            logger.warning("iteration %d: lm loss %s, gradient norm %s: update skipped (%d in a row)", iteration,
+                           loss, guard.grad_norm(), nan_streak)
         else:
             nan_streak = 0
             window_loss += loss
@@ -268,7 +393,7 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
                 consumed_tokens=consumed * config.model.seq_length, ms_per_iteration=1000 * per_iter,
                 lr=scheduler.get_lr(), global_batch_size=training.global_batch_size,
                 lm_loss=window_loss / window_iters if window_iters else float("nan"),
-                loss_scale=_loss_scale(engine), grad_norm=_grad_norm(engine),
+                loss_scale=_loss_scale(engine), grad_norm=guard.grad_norm(),
                 skipped_iterations=int(getattr(engine, "skipped_steps", 0)), nan_iterations=nan_total,
                 samples_per_second=training.global_batch_size / per_iter, tokens_per_second=tokens_per_iter / per_iter,
                 tflops=tflops, mfu=tflops / peak if peak else None)
@@ -276,10 +401,21 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
             writer.write("train", metrics)
             window_loss, window_iters, window_start = 0.0, 0, time.perf_counter()
 
+        at_min_scale = config.precision.fp16 and (_loss_scale(engine) or 0) <= config.precision.min_loss_scale
+        if nan_streak >= training.max_nan_iterations and (not config.precision.fp16 or at_min_scale):
+            raise NonFiniteError(
+                f"lm loss or gradient norm not finite at iteration {iteration}, {nan_streak} iterations in a "
+                f"row (--max-nan-iterations {training.max_nan_iterations}); their updates were skipped. "
+                "Usual causes: learning rate too high (--lr, --lr-warmup-iters), precision (fp16 overflows: "
+                "use --bf16; check --loss-scale), no or loose clipping (--clip-grad), bad data. "
+                + _where_to_resume(ckpt, last_good))
         if training.eval_interval and iteration % training.eval_interval == 0 and valid_ds is not None:
             _log_eval(engine, valid_iter(), training.eval_iters, pipelined, iteration, writer)
         if ckpt.save_interval and iteration % ckpt.save_interval == 0:
-            save()
+            if nonfinite:
+                logger.warning("iteration %d: not saving a checkpoint after a non-finite iteration", iteration)
+            else:
+                save()
         if training.exit_interval and iteration % training.exit_interval == 0:
             exit_reason = f"--exit-interval {training.exit_interval}"
         elif training.exit_duration_in_mins and _any_rank_over(time.time() - start_time,
@@ -297,6 +433,14 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
     writer.close()
     logger.info("training stopped at iteration %d (%s)", iteration, exit_reason)
     return {"iteration": iteration, "consumed_samples": consumed, "losses": losses, "exit_reason": exit_reason}
+
+
+def _where_to_resume(ckpt, last_good):
+    if last_good is None:
+        return f"No checkpoint was saved{' in ' + ckpt.save if ckpt.save else ''} yet."
+    iteration, root = last_good
+    return (f"The last good checkpoint, {checkpointing.tag_for(iteration)} in {root}, is intact: fix the cause "
+            f"and relaunch with --load {root}.")
 
 
 def _any_rank_over(value, limit):

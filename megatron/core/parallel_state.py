@@ -91,10 +91,12 @@ _STATE = ParallelState()
 _INITIALIZED = False
 
 
-def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1):
+def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, timeout=None):
     """Builds every group for the current torch.distributed world (NCCL or gloo); idempotent per layout.
 
-    Every rank must call this: torch.distributed.new_group is collective over the world.
+    Every rank must call this: torch.distributed.new_group is collective over the world. timeout (a
+    datetime.timedelta) bounds every collective on these groups, as --distributed-timeout-minutes does for the
+    world group.
     """
     global _STATE, _INITIALIZED
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -106,7 +108,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     for kind, groups in layout.items():
         for ranks in groups:
             # new_group is collective: every rank creates every group in the same order.
-            group = dist.new_group(ranks) if dist.is_initialized() else None
+            group = dist.new_group(ranks, timeout=timeout) if dist.is_initialized() else None
             if rank in ranks:
                 mine[kind] = (group, tuple(ranks))
     _STATE = ParallelState(

@@ -20,8 +20,8 @@ TRAIN = TINY_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "4", "--
                       "--log-interval", "1", "--deepspeed"]
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipe-parallel-size", "2"]
 PROMPTS = ["The cat sat on the", "Once upon a time there was a little girl who lived in"]
-# examples/tokenizer has 8000 tokens: padded to a multiple of 128 x TP, 8192 at TP 2 but 8064 at TP 1, so a
-# TP 1 run resuming the TP 2 weights needs --pad-vocab-size-to 8192.
+# examples/tokenizer has 8000 tokens: padded to a multiple of 128 x TP, 8192 at TP 2 but 8064 at TP 1; a TP 1
+# run resuming the TP 2 weights keeps the checkpoint's 8192 (pretrain_bloom reads it from the saved config).
 PADDED_VOCAB = {"tp2pp2": 8192, "zero3": 8064}
 
 
@@ -179,8 +179,9 @@ def test_reshard_tp2_to_tp1_resumes_with_the_same_loss(tp2pp2, sample_data, tmp_
     assert all(torch.equal(a[n], b[n]) for n in a)
 
     resume = TRAIN + ["--train-iters", "5", "--data-path", sample_data]
-    run_pretrain(resume + ["--load", str(tmp_path / "tp1"), "--pad-vocab-size-to", str(PADDED_VOCAB["tp2pp2"]),
-                           "--metrics-file", str(tmp_path / "tp1.jsonl")], nproc=1)
+    tp1_run = run_pretrain(resume + ["--load", str(tmp_path / "tp1"), "--metrics-file", str(tmp_path / "tp1.jsonl")],
+                           nproc=1)
+    assert "keeping the checkpoint's padded vocabulary of 8192" in tp1_run.stderr
     run_pretrain(resume + TP2PP2 + ["--load", str(source), "--metrics-file", str(tmp_path / "tp2.jsonl")], nproc=4)
     tp1, tp2 = read_losses(tmp_path / "tp1.jsonl"), read_losses(tmp_path / "tp2.jsonl")
     assert min(tp1) == min(tp2) == 5
