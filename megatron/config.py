@@ -166,6 +166,9 @@ class TrainingConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 f"use a multiple of {per_step}")
+        if self.partition_activations and not self.checkpoint_activations:
+            raise ValueError("--partition-activations splits the activations that --checkpoint-activations keeps "
+                             "across tensor-parallel ranks; add --checkpoint-activations")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {self.zero_stage} is not one of 0, 1, 2, 3")
         if self.train_iters < 1:

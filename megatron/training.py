@@ -60,7 +60,12 @@ def setup_engine(config, ds_config, state):
     from megatron.core.parallel_state import DeepSpeedMPU
 
     if config.training.partition_activations:
+        from megatron.core.tensor_parallel.random import use_deepspeed_checkpointing
+        from megatron.initialize import set_random_seeds
         deepspeed.checkpointing.configure(DeepSpeedMPU(), partition_activations=True)
+        use_deepspeed_checkpointing()
+        set_random_seeds(config.training.seed, state)  # seeds DeepSpeed's tracker, now ours
+        logger.info("activation checkpointing: DeepSpeed's, saved activations partitioned across TP ranks")
     model = build_model(config, state)
     opt = config.optimizer
     optimizer = build_optimizer(get_param_groups(model, opt.weight_decay), opt, config.training.cpu_offload)

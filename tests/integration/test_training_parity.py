@@ -40,6 +40,10 @@ LAYOUTS = [
     ("dp2-zero3", 2, ["--zero-stage", "3"], "fp32"),
     ("tp2-pp2", 4, ["--tensor-model-parallel-size", "2", "--pipe-parallel-size", "2"], "fp32"),
     ("dp2-zero1-bf16", 2, ["--zero-stage", "1", "--bf16"], "bf16"),
+    ("dp2-zero2-offload", 2, ["--zero-stage", "2", "--cpu-offload"], "fp32"),
+    ("tp2-partitioned-checkpointing", 2, ["--tensor-model-parallel-size", "2", "--checkpoint-activations",
+                                          "--partition-activations"], "fp32"),
+    ("pp2-checkpointing", 2, ["--pipe-parallel-size", "2", "--checkpoint-activations"], "fp32"),
 ]
 
 

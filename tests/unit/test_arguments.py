@@ -138,3 +138,15 @@ def test_cli_stops_before_any_work_with_one_line(doc_args):
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "TP 4 x PP 1" in errors[0], proc.stderr
     assert "deepspeed" not in proc.stderr.lower().replace("--deepspeed", "")
+
+
+def test_partition_activations_needs_checkpointing(doc_args, monkeypatch, tmp_path):
+    ds = tmp_path / "ok.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": True}}))
+    args = replace(doc_args, "--deepspeed_config", str(ds)) + ["--partition-activations"]
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == ("--partition-activations splits the activations that --checkpoint-activations keeps "
+                              "across tensor-parallel ranks; add --checkpoint-activations")
+    config, ds_dict, _ = resolve(args + ["--checkpoint-activations"], 8, monkeypatch)
+    assert ds_dict["activation_checkpointing"]["partition_activations"] is True

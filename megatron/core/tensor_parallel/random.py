@@ -68,10 +68,21 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+_CHECKPOINT_IMPL = None  # None: our _CheckpointFunction; else DeepSpeed's (see use_deepspeed_checkpointing)
 
 
 def get_rng_tracker():
     return _TRACKER
+
+
+def use_deepspeed_checkpointing():
+    """Routes checkpoint() through deepspeed.checkpointing (which partitions the saved activations across TP
+    ranks with partition_activations) and makes its RNG tracker ours, so the dropout it replays is ours.
+    Call deepspeed.checkpointing.configure(...) first, and seed again afterwards."""
+    import deepspeed
+    global _TRACKER, _CHECKPOINT_IMPL
+    _TRACKER = deepspeed.checkpointing.get_cuda_rng_tracker()
+    _CHECKPOINT_IMPL = deepspeed.checkpointing.checkpoint
 
 
 get_cuda_rng_tracker = get_rng_tracker  # Megatron's name
@@ -127,4 +138,6 @@ class _CheckpointFunction(torch.autograd.Function):
 
 def checkpoint(fn, *args):
     """Runs fn(*args) without keeping activations; recomputes them (same RNG) in backward. Tensor args only."""
+    if _CHECKPOINT_IMPL is not None:
+        return _CHECKPOINT_IMPL(fn, *args)
     return _CheckpointFunction.apply(fn, *args)
