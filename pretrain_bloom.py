@@ -90,10 +90,15 @@ def main(argv=None, step_hook=None):
         logger.error("%s", err)
         sys.exit(2)
 
-    from megatron.initialize import initialize_distributed, set_random_seeds
+    from megatron.initialize import initialize_distributed, load_kernels, set_random_seeds
     from megatron.training import FatalTrainingError, pretrain, setup_engine
 
     state = initialize_distributed(config.parallel)
+    try:
+        load_kernels(config.model)
+    except RuntimeError as err:  # --abort-on-unmet-fused-kernel-constraints and the kernels cannot serve
+        logger.error("%s", err)
+        sys.exit(1)
     set_random_seeds(config.training.seed, state)
     engine, scheduler = setup_engine(config, ds_config, state)
     try:

@@ -203,6 +203,7 @@ def build_config(args, world_size, tokenizer_vocab_size):
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         attention_impl=args.attention_impl, checkpoint_activations=args.checkpoint_activations,
         fused_layernorm=args.fused_layernorm, loss_chunk_size=args.loss_chunk_size,
+        abort_on_unmet_fused_kernel_constraints=args.abort_on_unmet_fused_kernel_constraints,
         tensor_model_parallel_size=args.tensor_model_parallel_size, seed=args.seed)
 
     dp = parallel.data_parallel_size

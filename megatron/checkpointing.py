@@ -298,7 +298,8 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
 
     error = None
     try:
-        engine.save_checkpoint(root, tag=TMP_PREFIX + tag, save_latest=False, exclude_frozen_parameters=False)
+        if not config.checkpoint.no_save_optim:  # --no-save-optim: weights only (our shards), no engine state
+            engine.save_checkpoint(root, tag=TMP_PREFIX + tag, save_latest=False, exclude_frozen_parameters=False)
         shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage)
         if state.dp_rank == 0:
             _torch_save_synced(shard, os.path.join(tmp, shard_name(state.tp_rank, state.pp_rank)))
@@ -321,7 +322,7 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
                     "tensor_model_parallel_size": state.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": state.pipeline_model_parallel_size,
                     "data_parallel_size": state.data_parallel_size, "zero_stage": config.training.zero_stage,
-                    "precision": config.precision.name, "deepspeed_state": True}
+                    "precision": config.precision.name, "deepspeed_state": not config.checkpoint.no_save_optim}
             _write_json_atomic(os.path.join(tmp, "meta.json"), meta)
             _write_json_atomic(os.path.join(tmp, "config.json"), dataclasses.asdict(config))
             if tokenizer is not None:

@@ -50,6 +50,13 @@ def initialize_distributed(parallel):
     return state
 
 
+def load_kernels(model_config):
+    """Builds the csrc kernels once (rank 0 first) when the model asks for them; see megatron/fused_kernels."""
+    if model_config.attention_impl == "fused" or model_config.fused_layernorm:
+        from megatron.fused_kernels import load_fused_kernels
+        load_fused_kernels(model_config.abort_on_unmet_fused_kernel_constraints)
+
+
 def set_random_seeds(seed, state):
     """Default generators: seed + 100 x pipeline rank (shared by a stage's TP and DP ranks); the tracked
     model-parallel generator additionally differs per TP rank."""

@@ -108,14 +108,22 @@ def fused_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
 BACKENDS = {"torch": torch_attention, "sdpa": sdpa_attention, "flex": flex_attention, "fused": fused_attention}
 
 
-def resolve_backend(impl, q, dropout_p, key_padding_mask):
-    """The backend that serves this call, honouring `impl` where it can; logs each fallback once."""
+def resolve_backend(impl, q, dropout_p, key_padding_mask, abort_on_unmet=False):
+    """The backend that serves this call, honouring `impl` where it can; logs each fallback once.
+
+    With abort_on_unmet (--abort-on-unmet-fused-kernel-constraints) a call the fused path cannot serve raises.
+    """
     if impl == "auto":
         impl = "flex" if q.is_cuda else "sdpa"
     if impl == "flex" and (not q.is_cuda or dropout_p > 0 or key_padding_mask is not None):
         _log_once("attention: flex needs CUDA, no attention dropout and no padding mask; using sdpa")
         impl = "sdpa"
     if impl == "fused" and (not q.is_cuda or q.dtype == torch.float32 or key_padding_mask is not None):
+        if abort_on_unmet:
+            raise RuntimeError("--attention-impl fused needs CUDA bf16/fp16 scores without a padding mask (got "
+                               f"{q.device.type} {str(q.dtype).replace('torch.', '')}"
+                               f"{', a padding mask' if key_padding_mask is not None else ''}) and "
+                               "--abort-on-unmet-fused-kernel-constraints is set")
         _log_once("attention: the fused softmax needs CUDA bf16/fp16 without a padding mask; using sdpa")
         impl = "sdpa"
     return impl
@@ -124,20 +132,21 @@ def resolve_backend(impl, q, dropout_p, key_padding_mask):
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + ALiBi) v for this rank's heads; dropout draws from the model-parallel RNG."""
 
-    def __init__(self, slopes, head_dim, attention_dropout=0.0, impl="auto"):
+    def __init__(self, slopes, head_dim, attention_dropout=0.0, impl="auto", abort_on_unmet=False):
         super().__init__()
         # Kept out of the buffers on purpose: module.bfloat16() must not round the slopes.
         self.slopes = slopes.float()
         self.scale = head_dim ** -0.5
         self.attention_dropout = attention_dropout
         self.impl = impl
+        self.abort_on_unmet = abort_on_unmet
         _log_once(f"attention: --attention-impl {impl}")
 
     def forward(self, q, k, v, key_padding_mask=None):
         if self.slopes.device != q.device:
             self.slopes = self.slopes.to(q.device)
         dropout_p = self.attention_dropout if self.training else 0.0
-        backend = BACKENDS[resolve_backend(self.impl, q, dropout_p, key_padding_mask)]
+        backend = BACKENDS[resolve_backend(self.impl, q, dropout_p, key_padding_mask, self.abort_on_unmet)]
         if dropout_p > 0:
             with get_rng_tracker().fork():
                 return backend(q, k, v, self.slopes, self.scale, dropout_p, key_padding_mask)

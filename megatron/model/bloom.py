@@ -87,7 +87,7 @@ class ParallelAttention(nn.Module):
             init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
         slopes = get_alibi_slopes_for_rank(config.num_attention_heads, tp_rank, tp_size)
         self.core_attention = CoreAttention(slopes, config.head_dim, config.attention_dropout,
-                                            config.attention_impl)
+                                            config.attention_impl, config.abort_on_unmet_fused_kernel_constraints)
 
     def forward(self, x, key_padding_mask=None, layer_cache=None):
         b, s, _ = x.shape

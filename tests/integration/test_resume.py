@@ -38,3 +38,15 @@ def test_resume_equals_uninterrupted(tmp_path, sample_data, nproc, layout):
     assert sorted(got) == list(range(1, 21))
     for iteration in range(1, 21):
         assert got[iteration] == pytest.approx(expected[iteration], abs=1e-6), f"iteration {iteration}"
+
+
+def test_no_save_optim_writes_weights_only_and_resumes(tmp_path, sample_data):
+    save = tmp_path / "ckpt"
+    run_pretrain(args(sample_data, tmp_path, "--save", str(save), "--save-interval", "5", "--exit-interval", "5",
+                      "--no-save-optim"), 1)
+    folder = save / "iter_0000005"
+    assert json.loads((folder / "meta.json").read_text())["deepspeed_state"] is False
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["model_tp00_pp000.pt", "rng_rank00000.pt"]
+    resumed = run_pretrain(args(sample_data, tmp_path, "--load", str(save), "--train-iters", "6"), 1)
+    assert "so the optimizer and LR schedule restart" in resumed.stderr
+    assert "training stopped at iteration 6 (finished)" in resumed.stderr

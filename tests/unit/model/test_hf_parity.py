@@ -80,3 +80,19 @@ def test_alibi_slopes_equal_hf(heads):
     hf_alibi = build_alibi_tensor(mask, heads, torch.float32)  # (heads, 1, 2): slope_h * [0, 1]
     # Ours rounds the exact power of two once; HF raises a rounded fp32 base to a power: 1 ulp apart at most.
     torch.testing.assert_close(get_alibi_slopes(heads), hf_alibi[:, 0, 1], atol=0, rtol=3e-7)
+
+
+def test_fused_attention_on_cpu_falls_back_or_aborts():
+    fields = dict(CONFIGS[0], seq_length=8)
+    ids = torch.randint(0, 1000, (1, 8))
+    torch.manual_seed(0)
+    fallback = BloomModel(ModelConfig(attention_impl="fused", **fields)).eval()
+    torch.manual_seed(0)
+    reference = BloomModel(ModelConfig(attention_impl="torch", **fields)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fallback(ids), reference(ids), atol=1e-5, rtol=0)
+    strict = BloomModel(ModelConfig(attention_impl="fused", abort_on_unmet_fused_kernel_constraints=True, **fields))
+    with pytest.raises(RuntimeError) as err:
+        strict(ids)
+    assert str(err.value) == ("--attention-impl fused needs CUDA bf16/fp16 scores without a padding mask (got cpu "
+                              "float32) and --abort-on-unmet-fused-kernel-constraints is set")
