@@ -115,7 +115,7 @@ def single_rank():
 
 def fake_config(root, keep=None):
     return SimpleNamespace(
-        checkpoint=SimpleNamespace(save=str(root), keep_last_n_checkpoints=keep),
+        checkpoint=SimpleNamespace(save=str(root), keep_last_n_checkpoints=keep, no_save_optim=False),
         model=SimpleNamespace(num_layers=1), training=SimpleNamespace(zero_stage=0),
         precision=SimpleNamespace(name="fp32"))
 
