@@ -100,13 +100,7 @@ def main(argv=None):
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    sync = None
-    if tp > 1:
-        import torch.distributed as dist
-
-        def sync(tokens):
-            dist.broadcast(tokens, src=0)
-            return tokens
+    sync = _broadcast_from_rank0 if tp > 1 else None
 
     prompt_ids = [tokenizer.tokenize(p) for p in prompts]
     outputs, count, seconds = generate_batches(model, prompt_ids, params, tokenizer.eod, tokenizer.pad,
@@ -125,9 +119,15 @@ def main(argv=None):
                 for record in records:
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
     if tp > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        torch.distributed.destroy_process_group()
     return 0
+
+
+def _broadcast_from_rank0(tokens):
+    """Every TP rank samples the same tokens: rank 0's choice wins."""
+    import torch.distributed as dist
+    dist.broadcast(tokens, src=0)
+    return tokens
 
 
 if __name__ == "__main__":

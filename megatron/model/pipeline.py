@@ -4,7 +4,7 @@
 
 The word embedding lives on the first and the last stage; DeepSpeed all-reduces its gradient over the
 embedding group. Between stages only the hidden states (B, S, H) travel. The loss function receives the
-vocab-parallel logits and the labels. canonical_state_dict() renames the module's parameters to the
+vocab-parallel logits and the labels. canonical_name() maps the module's parameter names to the
 names BloomModel uses, so checkpoints and tools see one layout whatever the PP size.
 """
 import re
@@ -84,33 +84,18 @@ def canonical_name(name, num_layers):
     return None
 
 
-def canonical_state_dict(module, num_layers):
-    """State dict under BloomModel's names for a BloomModel or a PipelineModule stage."""
-    state = module.state_dict()
-    if not isinstance(module, PipelineModule):
-        return dict(state)
-    out = {}
-    for name, tensor in state.items():
-        new = canonical_name(name, num_layers)
-        if new is not None:
-            out[new] = tensor
-    return out
-
-
 def load_canonical_state_dict(module, state, num_layers):
-    """Inverse of canonical_state_dict: loads BloomModel-named tensors into a BloomModel or a stage."""
+    """Loads BloomModel-named tensors into a BloomModel or a PipelineModule stage (names via canonical_name)."""
     if not isinstance(module, PipelineModule):
         return module.load_state_dict(state, strict=True)
-    own = module.state_dict()
-    mapped = {name: state[canonical_name(name, num_layers)] for name in own
-              if canonical_name(name, num_layers) is not None}
-    missing = [name for name in own if canonical_name(name, num_layers) is not None and name not in mapped]
+    own = {name: canonical_name(name, num_layers) for name in module.state_dict()}
+    missing = sorted(canonical for canonical in own.values() if canonical is not None and canonical not in state)
     if missing:
         raise KeyError(f"checkpoint lacks weights for {missing[:3]}")
     with torch.no_grad():
         for name, tensor in module.state_dict(keep_vars=True).items():
-            if name in mapped:
-                tensor.copy_(mapped[name])
+            if own[name] is not None:
+                tensor.copy_(state[own[name]])
 
 
 def is_pipeline_module(module):
