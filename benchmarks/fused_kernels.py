@@ -1,8 +1,8 @@
 """Benchmark: forward and forward+backward time of the fused kernels vs their torch references at BLOOM 1.7B shapes.
 
 Shapes: attention scores (4, 16, 2048, 2048) bf16 (causal, and with an explicit (4, 1, 2048, 2048) mask);
-LayerNorm input (4 * 2048, 2048) bf16, plus (4096, 14336) (BLOOM-176B hidden size). References: the eager
-fp32-math torch fallbacks, F.layer_norm in bf16, and the references under torch.compile (skip with
+LayerNorm input (4 * 2048, 2048) bf16, plus (4096, 14336) (BLOOM-176B hidden size); cross entropy of (4 * 2048,
+250880) bf16 logits (the LM loss of one micro batch). References: the eager fp32-math torch fallbacks, F.layer_norm in bf16, and the references under torch.compile (skip with
 --no-compile). Times are medians of CUDA-event timings of CUDA-graph replays (GPU time), plus the
 fwd+bwd time with ordinary eager launches (what a step sees when the CPU cannot run ahead).
 
@@ -21,6 +21,8 @@ from megatron.fused_kernels import (
     alibi_causal_softmax_reference,
     alibi_masked_softmax,
     alibi_masked_softmax_reference,
+    cross_entropy_reference,
+    fused_cross_entropy,
     load_fused_kernels,
     mixed_layer_norm_reference,
 )
@@ -102,7 +104,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, dtype {dtype}")
     print("fwd, fwd+bwd: GPU time of one CUDA-graph replay (median); launched: fwd+bwd with eager launches (CPU "
           "overhead included). GB/s: nominal bytes / graph fwd+bwd (softmax: read x, write p, read g and p, write "
-          "dx, although causal rows read only their unmasked half; LN: read x, write y, read g and x, write dx). "
+          "dx, although causal rows read only their unmasked half; LN: read x, write y, read g and x, write dx; cross "
+          "entropy: read z, read z, write dz). "
           "speedup: torch eager reference graph fwd+bwd / this graph fwd+bwd.")
     print("| op                         | impl               | fwd ms   | fwd+bwd  | launched  | GB/s   | speedup |")
     print("|----------------------------|--------------------|----------|----------|-----------|--------|---------|")
@@ -126,6 +129,13 @@ def main():
         reference = (lambda ln: lambda t: mixed_layer_norm_reference(t, ln.normalized_shape, ln.weight, ln.bias))(ln)
         cases.append((f"mixed_layer_norm {rows}x{hidden}", ln, reference, x, torch.randn_like(x),
                       x.numel() * x.element_size() * 5))
+
+    vocab = 250880
+    logits = torch.randn(B * s, vocab, device="cuda", dtype=dtype).mul_(3).requires_grad_()
+    target = torch.randint(0, vocab, (B * s,), device="cuda")
+    cases.append((f"cross_entropy {B * s}x{vocab}", lambda z: fused_cross_entropy(z, target),
+                  lambda z: cross_entropy_reference(z, target), logits, torch.rand(B * s, device="cuda"),
+                  logits.numel() * logits.element_size() * 3))
 
     baselines = {}
     for name, fused, reference, inp, grad, nbytes in cases:

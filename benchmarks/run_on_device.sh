@@ -13,5 +13,5 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 for spec in "${@:-}"; do
   echo "== benchmark_training $spec" | tee -a "$OUT/benchmark.txt"
-  python3 tools/benchmark_training.py $spec 2>&1 | grep -v "^\[W" | tail -12 | tee -a "$OUT/benchmark.txt"
+  python3 tools/benchmark_training.py $spec 2>&1 | grep -v "^\[W" | tail -40 | tee -a "$OUT/benchmark.txt"
 done

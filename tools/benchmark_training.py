@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one more step and print GPU time by category")
+    p.add_argument("--profile-top", type=int, default=15, metavar="N",
+                   help="with --profile, also print the N kernels with the most GPU time")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -65,22 +67,24 @@ def categorize(name):
     return "elementwise/other"
 
 
-def _profile(step, device):
-    """GPU (or CPU) self time of one step by category, in ms."""
+def _profile(step, device, top):
+    """GPU (or CPU) self time of one step by category, in ms, and the `top` kernels [(ms, calls, name)]."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         step()
         _sync(device)
-    totals = {}
+    totals, kernels = {}, []
     for event in prof.key_averages():
         us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
         if us > 0:
             totals[categorize(event.key)] = totals.get(categorize(event.key), 0.0) + us / 1000
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+            kernels.append((us / 1000, event.count, event.key[:110]))
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])), sorted(kernels, reverse=True)[:top]
 
 
 PROFILE = {}
+TOP_KERNELS = []
 
 
 def _timed(step, args, device):
@@ -96,7 +100,9 @@ def _timed(step, args, device):
     _sync(device)
     seconds = (time.perf_counter() - start) / args.iters
     if args.profile:
-        PROFILE.update(_profile(step, device))
+        by_category, top = _profile(step, device, args.profile_top)
+        PROFILE.update(by_category)
+        TOP_KERNELS.extend(top)
     return seconds
 
 
@@ -189,7 +195,7 @@ def measure(args):
     return {"side": args.only, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "seconds_per_iteration": seconds, "tokens_per_second": tokens / seconds, "model_tflops": tflops,
             "gemm_tflops": gemm, "mfu": tflops / gemm, "peak_memory_gib": peak_mem, "losses": losses,
-            "profile_ms": dict(PROFILE)}
+            "profile_ms": dict(PROFILE), "top_kernels": list(TOP_KERNELS)}
 
 
 def main(argv=None):
@@ -222,6 +228,8 @@ def main(argv=None):
             total = sum(r["profile_ms"].values())
             print(f"{side} profile of one step ({total:.1f} ms of kernel time): " + ", ".join(
                 f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in r["profile_ms"].items()))
+            for ms, calls, name in r.get("top_kernels", []):
+                print(f"  {ms:8.1f} ms {calls:5d}x [{categorize(name)}] {name}")
     if "hf" in results:
         ours, hf = results["ours"], results["hf"]
         ratio = ours["tokens_per_second"] / hf["tokens_per_second"]

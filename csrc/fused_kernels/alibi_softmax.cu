@@ -148,11 +148,6 @@ alibi_softmax_backward_kernel(const T* __restrict__ grad_probs, const T* __restr
   }
 }
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 template <int ROW_THREADS>
 dim3 grid_for(int64_t rows) {
   constexpr int RPB = rows_per_block<ROW_THREADS>();

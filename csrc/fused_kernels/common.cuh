@@ -11,6 +11,12 @@
 
 namespace megatron_fused {
 
+// Throws with the launch error of the last kernel launch, if any (called after every launch).
+inline void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
 // Elements each thread holds in registers for one row. A row of up to
 // kElemsPerThread * row_threads elements is kept entirely in registers.
 constexpr int kElemsPerThread = 16;

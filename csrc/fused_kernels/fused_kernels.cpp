@@ -142,11 +142,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_op(const at::
   return {grad_x, grad_w, grad_b};
 }
 
+void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& target) {
+  check_cuda_contiguous(logits, "logits");
+  check_cuda_contiguous(target, "target");
+  TORCH_CHECK(logits.dim() == 2, "logits must be (rows, vocab), got ", logits.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == logits.size(0),
+              "target must be int64 (rows,)");
+  TORCH_CHECK(logits.size(1) > 0, "vocab must be > 0");
+}
+
+// logits (rows, vocab) fp32/fp16/bf16, target (rows,) int64 -> loss (rows,) fp32, lse (rows,) fp32.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_op(const at::Tensor& logits, const at::Tensor& target,
+                                                            int64_t ignore_index) {
+  check_cross_entropy_inputs(logits, target);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto loss = at::empty({rows}, logits.options().dtype(at::kFloat));
+  auto lse = at::empty({rows}, logits.options().dtype(at::kFloat));
+  const c10::cuda::CUDAGuard guard(logits.device());
+  cross_entropy_forward(dtype_of(logits), logits.data_ptr(), target.data_ptr<int64_t>(), loss.data_ptr<float>(),
+                        lse.data_ptr<float>(), rows, vocab, ignore_index, vocab % 8 == 0 && aligned(logits, 16),
+                        at::cuda::getCurrentCUDAStream());
+  return {loss, lse};
+}
+
+// -> grad_logits (rows, vocab) in logits.dtype, written over logits when inplace.
+at::Tensor cross_entropy_backward_op(const at::Tensor& grad_loss, at::Tensor logits, const at::Tensor& target,
+                                     const at::Tensor& lse, int64_t ignore_index, bool inplace) {
+  check_cross_entropy_inputs(logits, target);
+  check_cuda_contiguous(grad_loss, "grad_loss");
+  check_cuda_contiguous(lse, "lse");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(grad_loss.scalar_type() == at::kFloat && grad_loss.numel() == rows, "grad_loss must be fp32 (rows,)");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.numel() == rows, "lse must be fp32 (rows,)");
+  auto grad = inplace ? logits : at::empty_like(logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  cross_entropy_backward(dtype_of(logits), grad_loss.data_ptr<float>(), logits.data_ptr(),
+                         target.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr(), rows, vocab,
+                         ignore_index, vocab % 8 == 0 && aligned(logits, 16) && aligned(grad, 16),
+                         at::cuda::getCurrentCUDAStream());
+  return grad;
+}
+
 }  // namespace
 }  // namespace megatron_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm)";
+  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm, cross entropy)";
   m.attr("max_row_length") = megatron_fused::kMaxRowLength;
   m.def("alibi_softmax_forward", &megatron_fused::alibi_softmax_forward_op, "ALiBi softmax forward",
         py::arg("scores"), py::arg("slopes"), py::arg("scale"), py::arg("mask") = py::none(), py::arg("causal") = true);
@@ -156,4 +197,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("bias"), py::arg("eps"));
   m.def("layer_norm_backward", &megatron_fused::layer_norm_backward_op, "mixed LayerNorm backward",
         py::arg("grad_output"), py::arg("input"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  m.def("cross_entropy_forward", &megatron_fused::cross_entropy_forward_op, "cross entropy forward",
+        py::arg("logits"), py::arg("target"), py::arg("ignore_index"));
+  m.def("cross_entropy_backward", &megatron_fused::cross_entropy_backward_op, "cross entropy backward",
+        py::arg("grad_loss"), py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("ignore_index"),
+        py::arg("inplace"));
 }

@@ -215,11 +215,6 @@ sum_partials_kernel(const float* __restrict__ dw_part, const float* __restrict__
   }
 }
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 // Row groups resident at once for the backward: enough bytes in flight to saturate HBM while keeping
 // the (groups, hidden) partial buffers small (about 512 threads per SM).
 int backward_groups(int64_t rows, int hidden, int num_sms) {

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 ABORT_FLAG = "--abort-on-unmet-fused-kernel-constraints"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused_kernels"
-SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu")
+SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu")
 HEADERS = ("fused_kernels.h", "common.cuh")
 
 

@@ -92,7 +92,9 @@ class ParallelAttention(nn.Module):
     def forward(self, x, key_padding_mask=None, layer_cache=None):
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each (B, nh/p, S, hd)
+        # unbind, not three selects: its backward stacks the three gradients in one kernel, where each select's
+        # backward would write a zero-filled full-size qkv gradient and autograd would add the three.
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, nh/p, S, hd)
         if layer_cache is not None:
             k, v = layer_cache.append(k, v)
         context = self.core_attention(q, k, v, key_padding_mask)  # (B, nh/p, S, hd)
@@ -154,13 +156,13 @@ def lm_loss(hidden, word_embeddings_weight, labels, tp_group, chunk_size=0):
     """
     if chunk_size <= 0 or hidden.shape[0] * hidden.shape[1] <= chunk_size:
         logits = parallel_lm_logits(hidden, word_embeddings_weight, tp_group)
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward=True)
     b, s, h = hidden.shape
     flat_hidden, flat_labels = hidden.reshape(b * s, h), labels.reshape(b * s)
 
     def chunk_loss(hid, lab, weight):
         logits = parallel_lm_logits(hid, weight, tp_group)
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, lab, tp_group)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, lab, tp_group, inplace_backward=True)
 
     losses = [tensor_parallel.checkpoint(chunk_loss, flat_hidden[i:i + chunk_size], flat_labels[i:i + chunk_size],
                                          word_embeddings_weight)

@@ -48,7 +48,8 @@ class _LossFn:
         self.tp_group = tp_group
 
     def __call__(self, logits, labels):
-        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                                            inplace_backward=True).mean()
 
 
 def build_pipeline_model(config, topology, checkpoint_activations=False, activation_checkpoint_func=None):

@@ -6,6 +6,8 @@ Tolerances (kernel output vs the fp32 reference computed from the same fp16/bf16
   because the kernel's backward reads the rounded saved probs / rounded grads.
 - LayerNorm output: rtol 1.6e-2 / 2e-3 / 1e-5 (bf16 / fp16 / fp32), atol the same times max|ref|.
 - LayerNorm grad_weight / grad_bias (fp32): 1e-4 relative to max|ref| (summation order only).
+- cross entropy loss (fp32, from the same rounded logits): 1e-5 relative + 1e-5 absolute (fast exp, summation
+  order); grad_logits: GRAD_TOL (output rounding to the logits' dtype).
 Run with the abort flag on, so a silent fallback to torch would fail the test.
 """
 import pytest
@@ -18,6 +20,8 @@ from megatron.fused_kernels import (
     alibi_causal_softmax_reference,
     alibi_masked_softmax,
     alibi_masked_softmax_reference,
+    cross_entropy_reference,
+    fused_cross_entropy,
     load_fused_kernels,
 )
 from megatron.fused_kernels import loader
@@ -154,3 +158,61 @@ def test_layer_norm_3d_non_contiguous_input_and_deterministic_grads():
     ln.weight.grad = None
     ln(x).backward(grad_y)
     assert torch.equal(first, ln.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", [(1, 8), (7, 1000), (5, 1001), (64, 50304), (3, 250880)])
+def test_cross_entropy_matches_torch(rows, vocab, dtype):
+    torch.manual_seed(rows + vocab)
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    target[0] = vocab - 1
+    if rows > 2:
+        target[1] = -100  # ignored: loss 0, no gradient
+    loss = fused_cross_entropy(logits, target)
+    assert loss.dtype == torch.float32 and loss.shape == (rows,)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = cross_entropy_reference(ref_logits, target)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    if rows > 2:
+        assert loss[1].item() == 0.0
+
+    grad_loss = torch.rand(rows, device="cuda")
+    (grad,) = torch.autograd.grad(loss, logits, grad_loss)
+    (grad_ref,) = torch.autograd.grad(ref, ref_logits, grad_loss)
+    assert grad.dtype == dtype
+    assert_grad_close(grad, grad_ref, GRAD_TOL[dtype], f"cross entropy grad {rows}x{vocab} {dtype}")
+    if rows > 2:
+        assert torch.count_nonzero(grad[1]).item() == 0
+
+
+def test_cross_entropy_in_place_backward_reuses_the_logits_and_3d_shapes():
+    torch.manual_seed(0)
+    base = torch.randn(2, 6, 1024, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, 1024, (2, 6), device="cuda")
+    grad_loss = torch.rand(2, 6, device="cuda")
+
+    leaf = base.clone().requires_grad_()
+    logits = leaf * 1  # a non-leaf the caller owns, as the LM head's output
+    loss = fused_cross_entropy(logits, target, inplace_backward=True)
+    assert loss.shape == (2, 6)
+    grads = {}
+    logits.register_hook(lambda g: grads.setdefault("logits", g))
+    loss.backward(grad_loss)
+    assert grads["logits"].data_ptr() == logits.data_ptr()  # written over the logits
+
+    leaf_ref = base.clone().requires_grad_()
+    cross_entropy_reference(leaf_ref, target).backward(grad_loss)
+    assert_grad_close(leaf.grad, leaf_ref.grad, GRAD_TOL[torch.bfloat16], "in-place cross entropy grad")
+
+
+def test_cross_entropy_out_of_range_target_gives_nan_not_a_silent_value():
+    logits = torch.randn(3, 16, device="cuda", dtype=torch.bfloat16)
+    loss = fused_cross_entropy(logits, torch.tensor([0, 16, -1], device="cuda"))
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and torch.isnan(loss[2])
+
+
+def test_cross_entropy_unsupported_dtype_is_an_unmet_constraint_under_the_abort_flag():
+    logits = torch.randn(2, 16, device="cuda", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cross entropy: logits dtype torch.float64"):
+        fused_cross_entropy(logits, torch.tensor([0, 1], device="cuda"))

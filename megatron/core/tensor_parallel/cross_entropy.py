@@ -11,6 +11,8 @@ Math is done in fp32 whatever the logits' dtype.
 import torch
 import torch.distributed as dist
 
+from megatron.fused_kernels import fused_cross_entropy
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -51,15 +53,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None):
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, inplace_backward=False):
     """Per-token loss (fp32, shape of target) from logits split along the last dim over `group`.
 
-    With one rank in the group this is torch's fused log-softmax + NLL on fp32 logits (fewer passes over the
-    (tokens x vocab) tensor than the three-reduction form above, same value).
+    With one rank in the group this is the fused cross entropy of megatron.fused_kernels (CUDA kernel: no fp32
+    copy of the logits; elsewhere torch's fused log-softmax + NLL on fp32 logits), fewer passes over the
+    (tokens x vocab) tensor than the three-reduction form above, same value. inplace_backward (TP = 1 on CUDA):
+    the gradient is written over the logits, for a caller that does not read them after the loss.
     """
     if group is None or dist.get_world_size(group) == 1:
-        vocab = vocab_parallel_logits.shape[-1]
-        loss = torch.nn.functional.cross_entropy(vocab_parallel_logits.float().view(-1, vocab), target.reshape(-1),
-                                                 reduction="none")
-        return loss.view(target.shape)
+        return fused_cross_entropy(vocab_parallel_logits, target, inplace_backward)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
