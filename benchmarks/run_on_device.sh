@@ -11,7 +11,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests_full.txt" 2>&1
   tail -15 "$OUT/gpu_tests_full.txt" | tee "$OUT/gpu_tests.txt"
 fi
+n=0
 for spec in "${@:-}"; do
+  n=$((n + 1))
   echo "== benchmark_training $spec" | tee -a "$OUT/benchmark.txt"
-  python3 tools/benchmark_training.py $spec 2>&1 | grep -v "^\[W" | tail -40 | tee -a "$OUT/benchmark.txt"
+  # The whole output goes to $OUT; the table (and the profile's top kernels) to the terminal.
+  python3 tools/benchmark_training.py $spec --output "$OUT/benchmark_$n.json" > "$OUT/benchmark_$n.log" 2>&1
+  grep -v "^\[W" "$OUT/benchmark_$n.log" | sed -n '/^model {/,$p' | tee -a "$OUT/benchmark.txt"
 done

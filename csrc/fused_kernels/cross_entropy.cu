@@ -1,10 +1,13 @@
 // Cross entropy over (rows, vocab) logits in their own dtype: one read of the logits in forward, one read and
 // one write in backward, fp32 math throughout, no fp32 copy of the logits.
 //
-// Forward, per row r with target t:  lse = log(sum_v exp(z_v)),  loss = lse - z_t.
-// Backward:                          grad_z_v = g_r * (exp(z_v - lse) - [v == t]).
-// A row whose target is ignore_index has loss 0 and a zero gradient; any other target outside [0, vocab)
-// gives a NaN loss (and NaN gradients), so a bad label cannot pass silently.
+// The logits may be one rank's slice [vocab_start, vocab_start + vocab) of a total_vocab-wide vocabulary
+// (tensor parallelism); with one rank vocab_start = 0 and total_vocab = vocab. Per row r with global target t:
+//   forward:  lse_r = log(sum_v exp(z_v)) over the slice,  predicted_r = z_(t - vocab_start) if t is in the slice,
+//             else 0 (the caller combines the ranks' values: loss = logsumexp_ranks(lse) - sum_ranks(predicted));
+//   backward: grad_z_v = g_r * (exp(z_v - lse_r) - [v + vocab_start == t])  with the combined lse_r.
+// A row whose target is ignore_index has predicted 0 and a zero gradient; any other target outside
+// [0, total_vocab) gives a NaN predicted value (and NaN gradients), so a bad label cannot pass silently.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -70,8 +73,8 @@ __device__ __forceinline__ OnlineSum block_merge(OnlineSum s) {
 
 template <typename T, bool VECTORIZED>
 __global__ void __launch_bounds__(kThreads) cross_entropy_forward_kernel(
-    const T* __restrict__ logits, const int64_t* __restrict__ target, float* __restrict__ loss,
-    float* __restrict__ lse, int64_t vocab, int64_t ignore_index) {
+    const T* __restrict__ logits, const int64_t* __restrict__ target, float* __restrict__ lse,
+    float* __restrict__ predicted, int64_t vocab, int64_t vocab_start, int64_t total_vocab, int64_t ignore_index) {
   const int64_t row = blockIdx.x;
   const T* z = logits + row * vocab;
   OnlineSum s;
@@ -92,15 +95,15 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_forward_kernel(
   }
   const OnlineSum total = block_merge(s);
   if (threadIdx.x == 0) {
-    const float row_lse = total.max + logf(total.sum);
+    lse[row] = total.max + logf(total.sum);
     const int64_t t = target[row];
-    lse[row] = row_lse;
+    const int64_t local = t - vocab_start;
     if (t == ignore_index) {
-      loss[row] = 0.f;
-    } else if (t < 0 || t >= vocab) {
-      loss[row] = NAN;
+      predicted[row] = 0.f;
+    } else if (t < 0 || t >= total_vocab) {
+      predicted[row] = NAN;
     } else {
-      loss[row] = row_lse - to_float(z[t]);
+      predicted[row] = local >= 0 && local < vocab ? to_float(z[local]) : 0.f;
     }
   }
 }
@@ -108,10 +111,12 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_forward_kernel(
 template <typename T, bool VECTORIZED>
 __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(
     const float* __restrict__ grad_loss, const T* logits, const int64_t* __restrict__ target,
-    const float* __restrict__ lse, T* grad_logits, int64_t vocab, int64_t ignore_index) {
+    const float* __restrict__ lse, T* grad_logits, int64_t vocab, int64_t vocab_start, int64_t total_vocab,
+    int64_t ignore_index) {
   const int64_t row = blockIdx.x;
   const int64_t t = target[row];
-  const float g = t == ignore_index ? 0.f : (t < 0 || t >= vocab ? NAN : grad_loss[row]);
+  const float g = t == ignore_index ? 0.f : (t < 0 || t >= total_vocab ? NAN : grad_loss[row]);
+  const int64_t local = t - vocab_start;  // outside [0, vocab) when another rank holds the target
   const float row_lse = lse[row];
   const T* z = logits + row * vocab;
   T* dz = grad_logits + row * vocab;
@@ -120,77 +125,67 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_backward_kernel(
       float v[kVec];
       load_vec(z + i, v);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) v[k] = g * (__expf(v[k] - row_lse) - (i + k == t ? 1.f : 0.f));
+      for (int k = 0; k < kVec; ++k) v[k] = g * (__expf(v[k] - row_lse) - (i + k == local ? 1.f : 0.f));
       store_from_float<kVec>(dz + i, v);
     }
   } else {
     for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
-      dz[i] = from_float<T>(g * (__expf(to_float(z[i]) - row_lse) - (i == t ? 1.f : 0.f)));
+      dz[i] = from_float<T>(g * (__expf(to_float(z[i]) - row_lse) - (i == local ? 1.f : 0.f)));
     }
   }
 }
 
 template <typename T>
-void launch_forward(const void* logits, const int64_t* target, float* loss, float* lse, int64_t rows,
-                    int64_t vocab, int64_t ignore_index, bool vectorized, cudaStream_t stream) {
+void launch_forward(const void* logits, const int64_t* target, float* lse, float* predicted, int64_t rows,
+                    const VocabSlice& slice, bool vectorized, cudaStream_t stream) {
   const auto* z = static_cast<const T*>(logits);
-  if (vectorized) {
-    cross_entropy_forward_kernel<T, true><<<rows, kThreads, 0, stream>>>(z, target, loss, lse, vocab, ignore_index);
-  } else {
-    cross_entropy_forward_kernel<T, false><<<rows, kThreads, 0, stream>>>(z, target, loss, lse, vocab, ignore_index);
-  }
+  auto kernel = vectorized ? cross_entropy_forward_kernel<T, true> : cross_entropy_forward_kernel<T, false>;
+  kernel<<<rows, kThreads, 0, stream>>>(z, target, lse, predicted, slice.vocab, slice.vocab_start, slice.total_vocab,
+                                        slice.ignore_index);
 }
 
 template <typename T>
 void launch_backward(const float* grad_loss, const void* logits, const int64_t* target, const float* lse,
-                     void* grad_logits, int64_t rows, int64_t vocab, int64_t ignore_index, bool vectorized,
-                     cudaStream_t stream) {
+                     void* grad_logits, int64_t rows, const VocabSlice& slice, bool vectorized, cudaStream_t stream) {
   const auto* z = static_cast<const T*>(logits);
   auto* dz = static_cast<T*>(grad_logits);
-  if (vectorized) {
-    cross_entropy_backward_kernel<T, true><<<rows, kThreads, 0, stream>>>(grad_loss, z, target, lse, dz, vocab,
-                                                                         ignore_index);
-  } else {
-    cross_entropy_backward_kernel<T, false><<<rows, kThreads, 0, stream>>>(grad_loss, z, target, lse, dz, vocab,
-                                                                          ignore_index);
-  }
+  auto kernel = vectorized ? cross_entropy_backward_kernel<T, true> : cross_entropy_backward_kernel<T, false>;
+  kernel<<<rows, kThreads, 0, stream>>>(grad_loss, z, target, lse, dz, slice.vocab, slice.vocab_start,
+                                        slice.total_vocab, slice.ignore_index);
 }
 
 }  // namespace
 
-void cross_entropy_forward(DType dtype, const void* logits, const int64_t* target, float* loss, float* lse,
-                           int64_t rows, int64_t vocab, int64_t ignore_index, bool vectorized, cudaStream_t stream) {
+void cross_entropy_forward(DType dtype, const void* logits, const int64_t* target, float* lse, float* predicted,
+                           int64_t rows, const VocabSlice& slice, bool vectorized, cudaStream_t stream) {
   if (rows == 0) return;
   switch (dtype) {
     case DType::kFloat32:
-      launch_forward<float>(logits, target, loss, lse, rows, vocab, ignore_index, vectorized, stream);
+      launch_forward<float>(logits, target, lse, predicted, rows, slice, vectorized, stream);
       break;
     case DType::kFloat16:
-      launch_forward<__half>(logits, target, loss, lse, rows, vocab, ignore_index, vectorized, stream);
+      launch_forward<__half>(logits, target, lse, predicted, rows, slice, vectorized, stream);
       break;
     case DType::kBFloat16:
-      launch_forward<__nv_bfloat16>(logits, target, loss, lse, rows, vocab, ignore_index, vectorized, stream);
+      launch_forward<__nv_bfloat16>(logits, target, lse, predicted, rows, slice, vectorized, stream);
       break;
   }
   check_launch("cross_entropy_forward");
 }
 
 void cross_entropy_backward(DType dtype, const float* grad_loss, const void* logits, const int64_t* target,
-                            const float* lse, void* grad_logits, int64_t rows, int64_t vocab, int64_t ignore_index,
+                            const float* lse, void* grad_logits, int64_t rows, const VocabSlice& slice,
                             bool vectorized, cudaStream_t stream) {
   if (rows == 0) return;
   switch (dtype) {
     case DType::kFloat32:
-      launch_backward<float>(grad_loss, logits, target, lse, grad_logits, rows, vocab, ignore_index, vectorized,
-                             stream);
+      launch_backward<float>(grad_loss, logits, target, lse, grad_logits, rows, slice, vectorized, stream);
       break;
     case DType::kFloat16:
-      launch_backward<__half>(grad_loss, logits, target, lse, grad_logits, rows, vocab, ignore_index, vectorized,
-                              stream);
+      launch_backward<__half>(grad_loss, logits, target, lse, grad_logits, rows, slice, vectorized, stream);
       break;
     case DType::kBFloat16:
-      launch_backward<__nv_bfloat16>(grad_loss, logits, target, lse, grad_logits, rows, vocab, ignore_index,
-                                     vectorized, stream);
+      launch_backward<__nv_bfloat16>(grad_loss, logits, target, lse, grad_logits, rows, slice, vectorized, stream);
       break;
   }
   check_launch("cross_entropy_backward");

@@ -151,34 +151,45 @@ void check_cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& targ
   TORCH_CHECK(logits.size(1) > 0, "vocab must be > 0");
 }
 
-// logits (rows, vocab) fp32/fp16/bf16, target (rows,) int64 -> loss (rows,) fp32, lse (rows,) fp32.
-std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_op(const at::Tensor& logits, const at::Tensor& target,
-                                                            int64_t ignore_index) {
-  check_cross_entropy_inputs(logits, target);
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto loss = at::empty({rows}, logits.options().dtype(at::kFloat));
-  auto lse = at::empty({rows}, logits.options().dtype(at::kFloat));
-  const c10::cuda::CUDAGuard guard(logits.device());
-  cross_entropy_forward(dtype_of(logits), logits.data_ptr(), target.data_ptr<int64_t>(), loss.data_ptr<float>(),
-                        lse.data_ptr<float>(), rows, vocab, ignore_index, vocab % 8 == 0 && aligned(logits, 16),
-                        at::cuda::getCurrentCUDAStream());
-  return {loss, lse};
+VocabSlice vocab_slice(const at::Tensor& logits, int64_t vocab_start, int64_t total_vocab, int64_t ignore_index) {
+  const int64_t vocab = logits.size(1);
+  TORCH_CHECK(vocab_start >= 0 && vocab_start + vocab <= total_vocab, "vocab slice [", vocab_start, ", ",
+              vocab_start + vocab, ") outside total_vocab ", total_vocab);
+  return VocabSlice{vocab, vocab_start, total_vocab, ignore_index};
 }
 
-// -> grad_logits (rows, vocab) in logits.dtype, written over logits when inplace.
+// logits (rows, vocab) fp32/fp16/bf16, target (rows,) int64 -> lse (rows,) fp32, predicted (rows,) fp32.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_op(const at::Tensor& logits, const at::Tensor& target,
+                                                            int64_t vocab_start, int64_t total_vocab,
+                                                            int64_t ignore_index) {
+  check_cross_entropy_inputs(logits, target);
+  const VocabSlice slice = vocab_slice(logits, vocab_start, total_vocab, ignore_index);
+  const int64_t rows = logits.size(0);
+  auto lse = at::empty({rows}, logits.options().dtype(at::kFloat));
+  auto predicted = at::empty({rows}, logits.options().dtype(at::kFloat));
+  const c10::cuda::CUDAGuard guard(logits.device());
+  cross_entropy_forward(dtype_of(logits), logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                        predicted.data_ptr<float>(), rows, slice, slice.vocab % 8 == 0 && aligned(logits, 16),
+                        at::cuda::getCurrentCUDAStream());
+  return {lse, predicted};
+}
+
+// -> grad_logits (rows, vocab) in logits.dtype, written over logits when inplace; lse is the full-vocabulary one.
 at::Tensor cross_entropy_backward_op(const at::Tensor& grad_loss, at::Tensor logits, const at::Tensor& target,
-                                     const at::Tensor& lse, int64_t ignore_index, bool inplace) {
+                                     const at::Tensor& lse, int64_t vocab_start, int64_t total_vocab,
+                                     int64_t ignore_index, bool inplace) {
   check_cross_entropy_inputs(logits, target);
   check_cuda_contiguous(grad_loss, "grad_loss");
   check_cuda_contiguous(lse, "lse");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const VocabSlice slice = vocab_slice(logits, vocab_start, total_vocab, ignore_index);
+  const int64_t rows = logits.size(0);
   TORCH_CHECK(grad_loss.scalar_type() == at::kFloat && grad_loss.numel() == rows, "grad_loss must be fp32 (rows,)");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.numel() == rows, "lse must be fp32 (rows,)");
   auto grad = inplace ? logits : at::empty_like(logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   cross_entropy_backward(dtype_of(logits), grad_loss.data_ptr<float>(), logits.data_ptr(),
-                         target.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr(), rows, vocab,
-                         ignore_index, vocab % 8 == 0 && aligned(logits, 16) && aligned(grad, 16),
+                         target.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr(), rows, slice,
+                         slice.vocab % 8 == 0 && aligned(logits, 16) && aligned(grad, 16),
                          at::cuda::getCurrentCUDAStream());
   return grad;
 }
@@ -198,8 +209,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_backward", &megatron_fused::layer_norm_backward_op, "mixed LayerNorm backward",
         py::arg("grad_output"), py::arg("input"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
   m.def("cross_entropy_forward", &megatron_fused::cross_entropy_forward_op, "cross entropy forward",
-        py::arg("logits"), py::arg("target"), py::arg("ignore_index"));
+        py::arg("logits"), py::arg("target"), py::arg("vocab_start"), py::arg("total_vocab"), py::arg("ignore_index"));
   m.def("cross_entropy_backward", &megatron_fused::cross_entropy_backward_op, "cross entropy backward",
-        py::arg("grad_loss"), py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("ignore_index"),
-        py::arg("inplace"));
+        py::arg("grad_loss"), py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("vocab_start"),
+        py::arg("total_vocab"), py::arg("ignore_index"), py::arg("inplace"));
 }

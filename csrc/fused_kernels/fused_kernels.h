@@ -41,17 +41,26 @@ void layer_norm_backward(DType dtype, const void* grad_y, const void* x, const f
                          float* grad_bias, float* dw_part, float* db_part, int64_t rows, int hidden,
                          int num_sms, bool vectorized, cudaStream_t stream);
 
-// Per-row cross entropy of logits (rows, vocab) contiguous in dtype against int64 targets (rows,):
-// loss = lse - logits[t] and lse = logsumexp(logits) (both fp32, (rows,)); a row with target == ignore_index
-// gets loss 0, any other target outside [0, vocab) a NaN loss.
-// vectorized: caller checked vocab % 8 == 0 and 16-byte aligned logits.
-void cross_entropy_forward(DType dtype, const void* logits, const int64_t* target, float* loss, float* lse,
-                           int64_t rows, int64_t vocab, int64_t ignore_index, bool vectorized, cudaStream_t stream);
+// The vocabulary slice a rank's logits hold: columns [vocab_start, vocab_start + vocab) of total_vocab.
+struct VocabSlice {
+  int64_t vocab;
+  int64_t vocab_start;
+  int64_t total_vocab;
+  int64_t ignore_index;
+};
 
-// grad_logits = grad_loss[r] * (exp(logits - lse[r]) - onehot(t)), zero for ignored rows; grad_logits may be
-// logits itself (in place). Same vectorized contract, for both buffers.
+// Per row of logits (rows, slice.vocab) contiguous in dtype, with int64 global targets (rows,): lse = logsumexp
+// of the row (fp32), predicted = the target's logit if the slice holds it, else 0 (fp32); 0 for a target equal
+// to ignore_index, NaN for any other target outside [0, total_vocab).
+// vectorized: caller checked vocab % 8 == 0 and 16-byte aligned logits.
+void cross_entropy_forward(DType dtype, const void* logits, const int64_t* target, float* lse, float* predicted,
+                           int64_t rows, const VocabSlice& slice, bool vectorized, cudaStream_t stream);
+
+// grad_logits = grad_loss[r] * (exp(logits - lse[r]) - onehot(t - vocab_start)) with lse the logsumexp over the
+// whole vocabulary; zero for ignored rows. grad_logits may be logits itself (in place). Same vectorized contract,
+// for both buffers.
 void cross_entropy_backward(DType dtype, const float* grad_loss, const void* logits, const int64_t* target,
-                            const float* lse, void* grad_logits, int64_t rows, int64_t vocab, int64_t ignore_index,
+                            const float* lse, void* grad_logits, int64_t rows, const VocabSlice& slice,
                             bool vectorized, cudaStream_t stream);
 
 }  // namespace megatron_fused

@@ -25,6 +25,8 @@ from megatron.fused_kernels import (
     load_fused_kernels,
 )
 from megatron.fused_kernels import loader
+from tests.distributed import run_distributed
+from tests.unit.core.test_tensor_parallel import vocab_parallel_ce_equals_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -216,3 +218,8 @@ def test_cross_entropy_unsupported_dtype_is_an_unmet_constraint_under_the_abort_
     logits = torch.randn(2, 16, device="cuda", dtype=torch.float64)
     with pytest.raises(RuntimeError, match="cross entropy: logits dtype torch.float64"):
         fused_cross_entropy(logits, torch.tensor([0, 1], device="cuda"))
+
+
+def test_vocab_parallel_cross_entropy_kernel_tp2_equals_torch():
+    """Two gloo processes sharing the GPU, each with half the vocabulary, through the kernel and its all-reduces."""
+    run_distributed(vocab_parallel_ce_equals_torch, 2, "cuda", True)

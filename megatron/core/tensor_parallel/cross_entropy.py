@@ -6,12 +6,15 @@ With logits z split along the vocabulary across p ranks and target t:
 
 m, sum exp and z_t are each one all-reduce of a (..,) tensor over the TP group (MAX, SUM, SUM).
 Backward: d loss / d z_v = softmax(z)_v - [v == t], computed on each rank's own slice.
-Math is done in fp32 whatever the logits' dtype.
+Math is done in fp32 whatever the logits' dtype. A target of -100 (torch's ignore_index) gives loss 0 and no
+gradient. On CUDA the csrc kernel (megatron.fused_kernels.fused_cross_entropy) does this without an fp32 copy of
+the logits; the torch form below serves CPU tensors and the kernel's fallback.
 """
 import torch
 import torch.distributed as dist
 
 from megatron.fused_kernels import fused_cross_entropy
+from megatron.fused_kernels.cross_entropy import IGNORE_INDEX
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -37,9 +40,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if world > 1:
             dist.all_reduce(predicted, group=group)
             dist.all_reduce(sum_exp, group=group)
-        loss = sum_exp.log() - predicted
+        ignored = target == IGNORE_INDEX
+        loss = (sum_exp.log() - predicted).masked_fill_(ignored, 0.0)
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(ignored.unsqueeze(-1), 0.0)
         ctx.save_for_backward(softmax, local_target, outside)
         return loss
 
@@ -56,11 +60,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, inplace_backward=False):
     """Per-token loss (fp32, shape of target) from logits split along the last dim over `group`.
 
-    With one rank in the group this is the fused cross entropy of megatron.fused_kernels (CUDA kernel: no fp32
-    copy of the logits; elsewhere torch's fused log-softmax + NLL on fp32 logits), fewer passes over the
-    (tokens x vocab) tensor than the three-reduction form above, same value. inplace_backward (TP = 1 on CUDA):
-    the gradient is written over the logits, for a caller that does not read them after the loss.
+    CUDA logits go through the fused kernel (for any TP size); elsewhere one rank uses torch's fused
+    log-softmax + NLL on fp32 logits and several ranks the three-reduction form above. inplace_backward (kernel
+    only): the gradient is written over the logits, for a caller that does not read them after the loss.
     """
-    if group is None or dist.get_world_size(group) == 1:
-        return fused_cross_entropy(vocab_parallel_logits, target, inplace_backward)
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
+    def torch_fallback(logits, labels):
+        return _VocabParallelCrossEntropy.apply(logits, labels, group)
+
+    tensor_parallel = group is not None and dist.get_world_size(group) > 1
+    return fused_cross_entropy(vocab_parallel_logits, target, inplace_backward, group,
+                               fallback=torch_fallback if tensor_parallel else None)
