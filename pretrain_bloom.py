@@ -90,15 +90,15 @@ def main(argv=None, step_hook=None):
         logger.error("%s", err)
         sys.exit(2)
 
-    from megatron.initialize import initialize_distributed, load_kernels, set_random_seeds
+    from megatron.initialize import (exit_after_error, initialize_distributed, load_kernels, set_random_seeds,
+                                     shutdown_distributed)
     from megatron.training import FatalTrainingError, pretrain, setup_engine
 
     state = initialize_distributed(config.parallel)
     try:
         load_kernels(config.model)
     except RuntimeError as err:  # --abort-on-unmet-fused-kernel-constraints and the kernels cannot serve
-        logger.error("%s", err)
-        sys.exit(1)
+        exit_after_error(err, 1)
     set_random_seeds(config.training.seed, state)
     engine, scheduler = setup_engine(config, ds_config, state)
     try:
@@ -106,10 +106,11 @@ def main(argv=None, step_hook=None):
         if config.checkpoint.load:
             start = checkpointing.load_checkpoint(engine, config)
         datasets = build_datasets(config)
-        return pretrain(config, engine, scheduler, datasets, tokenizer, start, step_hook)
+        result = pretrain(config, engine, scheduler, datasets, tokenizer, start, step_hook)
     except (checkpointing.CheckpointError, FatalTrainingError) as err:  # known causes: one line, exit 1
-        logger.error("%s", err)
-        sys.exit(1)
+        exit_after_error(err, 1)
+    shutdown_distributed()
+    return result
 
 
 if __name__ == "__main__":

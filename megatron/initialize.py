@@ -3,6 +3,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 
 import torch
 
@@ -48,6 +49,31 @@ def initialize_distributed(parallel):
                 state.tensor_model_parallel_size, state.pipeline_model_parallel_size, state.data_parallel_size,
                 parallel.distributed_backend)
     return state
+
+
+def shutdown_distributed():
+    """Destroys the process groups after a run that ended normally on every rank.
+
+    Without it gloo's worker threads outlive the interpreter and the process can die with SIGABRT
+    ("terminate called without an active exception") after its work is done. Not called on error paths:
+    destroying groups while another rank still waits in a collective can hang.
+    """
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def exit_after_error(message, code):
+    """Logs `message` and ends the process with `code` once torch.distributed is up.
+
+    Skips interpreter finalization (os._exit after flushing), so live gloo work cannot turn the chosen
+    exit code into SIGABRT, and skips destroying groups another rank may still be waiting on.
+    """
+    logger.error("%s", message)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def load_kernels(model_config):

@@ -176,6 +176,7 @@ class MetricsWriter:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and key != "iteration" and value is not None:
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
+            self.tb.flush()  # on disk at each log line, like the JSON lines, whatever ends the process
 
     def close(self):
         if self.jsonl:

@@ -109,7 +109,7 @@ def _timed(step, args, device):
 def run_ours(args, shape):
     import torch
     import pretrain_bloom
-    from megatron.initialize import initialize_distributed, set_random_seeds
+    from megatron.initialize import initialize_distributed, set_random_seeds, shutdown_distributed
     from megatron.training import setup_engine, train_step
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.data.samplers import build_pretraining_data_loader
@@ -139,6 +139,7 @@ def run_ours(args, shape):
     it = iter(loader)
     losses = []
     seconds = _timed(lambda: losses.append(train_step(engine, it, args.grad_accum, False)), args, engine.device)
+    shutdown_distributed()
     return seconds, engine.device, losses
 
 
