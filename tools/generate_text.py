@@ -119,7 +119,8 @@ def main(argv=None):
                 for record in records:
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
     if tp > 1:
-        torch.distributed.destroy_process_group()
+        from megatron.initialize import shutdown_distributed
+        shutdown_distributed()
     return 0
 
 
