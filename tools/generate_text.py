@@ -4,15 +4,17 @@
         --max-new-tokens 32 --top-p 0.9 --temperature 0.8 --batch-size 2
     torchrun --nproc_per_node 2 tools/generate_text.py --load checkpoints --greedy --prompt "The cat"
 
+Generation runs on megatron.inference.InferenceEngine: a static KV cache, CUDA-graph decode steps on a GPU, and
+continuous batching (up to --batch-size prompts decode together; a finished one's slot goes to the next prompt).
 One process runs the whole model; under torchrun (WORLD_SIZE > 1) the model runs tensor-parallel over all
 processes (TP = WORLD_SIZE, PP = 1), rank 0's token choices are broadcast each step and only rank 0 prints.
-Prompts of different lengths in one batch are left-padded with an attention mask.
 """
 import argparse
 import json
 import logging
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +33,8 @@ def parse_args(argv=None):
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (cache slots)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                         help="auto: the stored dtype on GPU, fp32 on CPU")
     parser.add_argument("--num-partitions", type=int, default=None, help="expected TP size of --load (checked)")
@@ -71,7 +74,7 @@ def main(argv=None):
     import torch
 
     from megatron import checkpoint_tools
-    from megatron.generation import SamplingParams, generate_batches
+    from megatron.inference import InferenceEngine, SamplingParams
     from megatron.tokenizer import build_tokenizer
 
     args = parse_args(argv)
@@ -96,15 +99,22 @@ def main(argv=None):
             else checkpoint_tools.DTYPES[args.dtype]
         tp, rank = setup_tensor_parallel()
         model = checkpoint_tools.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device)
+        prompt_ids = [tokenizer.tokenize(p) for p in prompts]
+        if any(not ids for ids in prompt_ids):
+            raise ValueError("a prompt tokenizes to no tokens; drop empty prompts")
+        engine = InferenceEngine(model, max_batch_size=min(args.batch_size, len(prompt_ids)),
+                                 max_seq_len=max(len(ids) for ids in prompt_ids) + params.max_new_tokens,
+                                 eod_id=tokenizer.eod, vocab_limit=tokenizer.vocab_size,
+                                 cuda_graphs=False if args.no_cuda_graphs else None,
+                                 sync_tokens=_broadcast_from_rank0 if tp > 1 else None)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    sync = _broadcast_from_rank0 if tp > 1 else None
-
-    prompt_ids = [tokenizer.tokenize(p) for p in prompts]
-    outputs, count, seconds = generate_batches(model, prompt_ids, params, tokenizer.eod, tokenizer.pad,
-                                               args.batch_size, args.seed, tokenizer.vocab_size, sync)
+    start = time.perf_counter()
+    outputs = engine.generate(prompt_ids, params, seed=args.seed)
+    seconds = time.perf_counter() - start
+    count = sum(len(o) for o in outputs)
     if rank == 0:
         records = []
         for i, (prompt, ids, out) in enumerate(zip(prompts, prompt_ids, outputs)):

@@ -4,7 +4,10 @@
     sdpa   torch.nn.functional.scaled_dot_product_attention with the ALiBi bias as a float mask
     flex   FlexAttention (compiled) with ALiBi as score_mod and a causal block mask (CUDA)
     fused  our csrc softmax kernel with the ALiBi bias folded in (CUDA, bf16/fp16)
-    auto   flex on CUDA, sdpa elsewhere; falls back per call (logged once) where a backend cannot serve
+    auto   flex on CUDA for self-attention over a multiple of 128 positions (training's fixed shapes: one
+           compilation per sequence length), sdpa for every other call (a KV cache's growing key length, odd
+           lengths, padding masks, the CPU), so it never recompiles per length; megatron.inference decodes
+           with its own fixed-shape attention
 
 Queries are the last sq positions of sk keys (sk > sq with a KV cache): query i sees keys j <= i + sk - sq.
 An optional key padding mask (B, sk), True for real tokens, excludes padded keys.
@@ -108,13 +111,16 @@ def fused_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
 BACKENDS = {"torch": torch_attention, "sdpa": sdpa_attention, "flex": flex_attention, "fused": fused_attention}
 
 
-def resolve_backend(impl, q, dropout_p, key_padding_mask, abort_on_unmet=False):
+def resolve_backend(impl, q, dropout_p, key_padding_mask, abort_on_unmet=False, sk=None):
     """The backend that serves this call, honouring `impl` where it can; logs each fallback once.
 
     With abort_on_unmet (--abort-on-unmet-fused-kernel-constraints) a call the fused path cannot serve raises.
+    sk: the key length (default: the query length).
     """
     if impl == "auto":
-        impl = "flex" if q.is_cuda else "sdpa"
+        sq = q.shape[2]
+        fixed_shape = (sk is None or sk == sq) and sq % 128 == 0 and key_padding_mask is None and dropout_p == 0
+        impl = "flex" if q.is_cuda and fixed_shape else "sdpa"
     if impl == "flex" and (not q.is_cuda or dropout_p > 0 or key_padding_mask is not None):
         _log_once("attention: flex needs CUDA, no attention dropout and no padding mask; using sdpa")
         impl = "sdpa"
@@ -146,7 +152,8 @@ class CoreAttention(nn.Module):
         if self.slopes.device != q.device:
             self.slopes = self.slopes.to(q.device)
         dropout_p = self.attention_dropout if self.training else 0.0
-        backend = BACKENDS[resolve_backend(self.impl, q, dropout_p, key_padding_mask, self.abort_on_unmet)]
+        backend = BACKENDS[resolve_backend(self.impl, q, dropout_p, key_padding_mask, self.abort_on_unmet,
+                                           sk=k.shape[2])]
         if dropout_p > 0:
             with get_rng_tracker().fork():
                 return backend(q, k, v, self.slopes, self.scale, dropout_p, key_padding_mask)

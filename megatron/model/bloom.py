@@ -95,9 +95,10 @@ class ParallelAttention(nn.Module):
         # unbind, not three selects: its backward stacks the three gradients in one kernel, where each select's
         # backward would write a zero-filled full-size qkv gradient and autograd would add the three.
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, nh/p, S, hd)
-        if layer_cache is not None:
-            k, v = layer_cache.append(k, v)
-        context = self.core_attention(q, k, v, key_padding_mask)  # (B, nh/p, S, hd)
+        if layer_cache is not None:  # the cache stores k, v and attends over everything it holds
+            context = layer_cache.attend(q, k, v, self.core_attention, key_padding_mask)
+        else:
+            context = self.core_attention(q, k, v, key_padding_mask)  # (B, nh/p, S, hd)
         context = context.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
         return self.dense(context)
 
@@ -171,16 +172,20 @@ def lm_loss(hidden, word_embeddings_weight, labels, tp_group, chunk_size=0):
 
 
 class InferenceCache:
-    """Per-layer key/value tensors for incremental decoding."""
+    """Per-layer key/value tensors that grow by concatenation: the simple reference cache.
+
+    A layer cache is any object with attend(q, k, v, core_attention, key_padding_mask) -> context: it stores the
+    new keys and values and attends over all it holds. megatron.inference.StaticKVCache is the fast one.
+    """
 
     class _Layer:
         def __init__(self):
             self.k = self.v = None
 
-        def append(self, k, v):  # (B, nh/p, s_new, hd)
+        def attend(self, q, k, v, core_attention, key_padding_mask=None):  # (B, nh/p, s_new, hd)
             self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
             self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-            return self.k, self.v
+            return core_attention(q, self.k, self.v, key_padding_mask)
 
     def __init__(self, num_layers):
         self.layers = [self._Layer() for _ in range(num_layers)]
@@ -207,6 +212,14 @@ class BloomModel(nn.Module):
         self.final_layernorm = make_layernorm(config, config.hidden_size)
 
     def forward(self, input_ids, labels=None, attention_mask=None, cache=None):
+        x = self.hidden_states(input_ids, attention_mask, cache)
+        if labels is not None:
+            return lm_loss(x, self.embedding.word_embeddings.weight, labels, self.tp_group,
+                           self.config.loss_chunk_size)
+        return self.lm_logits(x)
+
+    def hidden_states(self, input_ids, attention_mask=None, cache=None):
+        """(B, S) token ids -> (B, S, H) after the final LayerNorm."""
         x = self.embedding(input_ids)
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
@@ -214,11 +227,11 @@ class BloomModel(nn.Module):
                 x = tensor_parallel.checkpoint(layer, x)
             else:
                 x = layer(x, attention_mask, layer_cache)
-        x = self.final_layernorm(x)
-        weight = self.embedding.word_embeddings.weight
-        if labels is not None:
-            return lm_loss(x, weight, labels, self.tp_group, self.config.loss_chunk_size)
-        logits = parallel_lm_logits(x, weight, self.tp_group)
+        return self.final_layernorm(x)
+
+    def lm_logits(self, hidden):
+        """(B, S, H) -> logits through the tied head (this rank's vocabulary slice unless parallel_output=False)."""
+        logits = parallel_lm_logits(hidden, self.embedding.word_embeddings.weight, self.tp_group)
         if not self.parallel_output:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.tp_group)
         return logits

@@ -46,10 +46,13 @@ def test_fused_and_torch_dropout_masks_agree():
     torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_auto_picks_flex_on_cuda_and_falls_back_for_dropout():
-    q, _, _ = qkv(s=16)
+def test_auto_picks_flex_only_for_fixed_training_shapes():
+    q, _, _ = qkv(s=256)
     assert resolve_backend("auto", q, 0.0, None) == "flex"
-    assert resolve_backend("auto", q, 0.1, None) == "sdpa"
+    assert resolve_backend("auto", q, 0.0, None, sk=256) == "flex"
+    assert resolve_backend("auto", q, 0.1, None) == "sdpa"  # dropout
+    assert resolve_backend("auto", q, 0.0, None, sk=300) == "sdpa"  # a KV cache's growing key length
+    assert resolve_backend("auto", q[:, :, :200], 0.0, None) == "sdpa"  # not a multiple of 128
     assert resolve_backend("fused", q.float(), 0.0, None) == "sdpa"
 
 

@@ -1,4 +1,6 @@
-"""Text generation for BloomModel with the KV cache: greedy, temperature, top-k, top-p; left-padded batches; stop at eod.
+"""Reference text generation: BloomModel with the growing (concatenating) KV cache, left-padded batches, eod stop.
+
+The plain eager path that the engine (megatron/inference/engine.py) is checked against; not for speed.
 
     ids, mask = left_pad(prompts, pad_id)          # (B, S), (B, S) bool, prompts right-aligned
     one forward of the whole prompt fills the cache, then one token per step: (B, 1) -> logits (B, V)
@@ -7,58 +9,11 @@ ALiBi depends only on key positions relative to the query, and padded keys are m
 row produces the same tokens as the same prompt alone (tests/unit/test_generation.py checks it).
 """
 import time
-from dataclasses import dataclass
 
 import torch
 
+from megatron.inference.sampling import sample_next_token
 from megatron.model.bloom import InferenceCache
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is picked: greedy argmax, or a draw from softmax(logits / temperature) restricted to
-    the top_k most likely tokens (0: all) and to the smallest set whose probability reaches top_p (1.0: all)."""
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature {self.temperature} must be > 0 (use --greedy for argmax decoding)")
-        if self.top_k < 0:
-            raise ValueError(f"--top-k {self.top_k} must be >= 0 (0 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p {self.top_p} must be in (0, 1] (1.0 disables it)")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
-
-
-def filter_logits(logits, top_k=0, top_p=1.0):
-    """logits (B, V) with every token outside the top-k / nucleus set to -inf (at least one token survives)."""
-    logits = logits.clone()
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits[logits < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # drop a token when the tokens before it already reach top_p
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits[drop] = float("-inf")
-    return logits
-
-
-def sample_next_token(logits, params, generator=None):
-    """Next token ids (B,) from fp32 logits (B, V)."""
-    if params.greedy:
-        return torch.argmax(logits, dim=-1)
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def left_pad(prompts, pad_id):

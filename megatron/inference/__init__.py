@@ -1,0 +1,12 @@
+"""megatron.inference: text generation for BloomModel.
+
+    engine.py     InferenceEngine: static KV cache, batched/chunked prefill, CUDA-graph decode, continuous batching
+    kv_cache.py   StaticKVCache: the slots x positions cache and its attention
+    sampling.py   SamplingParams, per-row greedy/temperature/top-k/top-p sampling with hashed seeds
+    reference.py  the eager path with a growing cache (the engine is tested against it and against HF)
+"""
+from megatron.inference.engine import InferenceEngine, Request
+from megatron.inference.kv_cache import StaticKVCache
+from megatron.inference.sampling import SamplingParams
+
+__all__ = ["InferenceEngine", "Request", "SamplingParams", "StaticKVCache"]

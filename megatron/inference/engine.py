@@ -1,0 +1,347 @@
+"""The generation engine: a static KV cache, batched prefill, CUDA-graph decode steps, sampling on the device.
+
+    engine = InferenceEngine(model, max_batch_size=8, max_seq_len=1024, eod_id=tok.eod, vocab_limit=tok.vocab_size)
+    request = engine.add_request(prompt_ids, SamplingParams(greedy=True, max_new_tokens=64))
+    while engine.has_work():
+        for done in engine.step():          # requests that finished during this step
+            print(done.output, done.finish_reason)
+
+A request takes a free slot of the cache when it is admitted (prefill, the LM head on its last position only,
+chunked for long prompts), then decodes one token per step together with every other running request; it leaves
+when it produces eod or reaches its max_new_tokens, and a waiting request takes its slot at the next step
+(continuous batching). Greedy output of a request does not depend on what else is in the batch.
+
+Per decode step the device holds all per-row state (next input token, position, token count, done flag, sampling
+parameters) and the generated tokens, so `step(num_steps=n)` runs n steps with no host synchronisation and copies
+results to the host once. On CUDA each (batch bucket, kv-length bucket) decode step is captured once as a CUDA
+graph and replayed; shapes are bucketed, never recompiled per length.
+"""
+import heapq
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.inference.kv_cache import StaticKVCache
+from megatron.inference.sampling import SamplingParams, sample_rows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation; `output` grows at each step()'s synchronisation."""
+    request_id: object
+    prompt: list
+    params: SamplingParams
+    seed: int
+    output: list = field(default_factory=list)
+    finish_reason: str = None  # "stop" (eod), "length" (max_new_tokens) or "cancelled"
+    slot: int = None
+    _host_pos: int = 0  # upper bounds known without a sync: the slot's next write position,
+    _host_count: int = 0  # and the tokens generated
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+def _buckets(limit):
+    """1, 2, 4, ... up to limit (limit itself last)."""
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+class InferenceEngine:
+    """Continuous-batching generation for a BloomModel (parallel_output=False, eval mode, on its device).
+
+    max_seq_len: the longest prompt + generation a request may reach (the cache's length).
+    eod_id: stops a row (None: never). vocab_limit: ids >= it (the embedding's padding rows) are never produced.
+    cuda_graphs: capture decode steps (default: on CUDA at TP 1). kv_bucket: decode attends over the first
+    multiple of kv_bucket positions that holds every running row. sync_tokens: called with each step's tokens,
+    returns the tokens every rank uses (tensor parallelism: rank 0's choice).
+    """
+
+    def __init__(self, model, max_batch_size=8, max_seq_len=None, eod_id=None, vocab_limit=None,
+                 prefill_chunk=2048, cuda_graphs=None, kv_bucket=256, sync_tokens=None):
+        config = model.config
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_batch = max_batch_size
+        self.max_seq_len = max_seq_len or config.seq_length
+        self.eod_id = -1 if eod_id is None else eod_id
+        self.vocab_limit = vocab_limit
+        self.prefill_chunk = prefill_chunk
+        self.kv_bucket = kv_bucket
+        self.sync_tokens = sync_tokens
+        tp_size = config.num_attention_heads // model.layers[0].self_attention.heads_per_partition
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and tp_size == 1
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.cuda_graphs = cuda_graphs
+        attention = model.layers[0].self_attention
+        self.cache = StaticKVCache(config.num_layers, max_batch_size, attention.heads_per_partition,
+                                   self.max_seq_len, attention.head_dim, self.dtype, self.device,
+                                   attention.core_attention.slopes)
+        self.max_new_cap = self.max_seq_len
+        self._init_slot_state()
+        self.waiting = deque()
+        self.running = {}  # slot -> Request
+        self._free = list(range(max_batch_size))
+        self._ids = itertools.count()
+        self._graphs = {}
+        self._pool = None
+        self._batch_buckets = _buckets(max_batch_size)
+
+    def _init_slot_state(self):
+        b, dev = self.max_batch, self.device
+        self.tokens = torch.zeros(b, dtype=torch.long, device=dev)  # next input token
+        self.pos = torch.zeros(b, dtype=torch.long, device=dev)  # where that token is written
+        self.count = torch.zeros(b, dtype=torch.long, device=dev)  # tokens generated
+        self.done = torch.ones(b, dtype=torch.bool, device=dev)  # free slots count as done
+        self.max_new = torch.ones(b, dtype=torch.long, device=dev)
+        self.greedy = torch.ones(b, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones(b, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(b, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(b, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(b, dtype=torch.long, device=dev)
+        self.out = torch.zeros(b, self.max_new_cap + 1, dtype=torch.long, device=dev)  # last column: discard
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt, params, seed=0, request_id=None):
+        """Queues a prompt (token ids); it is admitted at the next step() with a free slot."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the engine's max_seq_len {self.max_seq_len}: shorten the prompt, ask for "
+                             "fewer tokens or build the engine with a larger max_seq_len")
+        request = Request(next(self._ids) if request_id is None else request_id, prompt, params, int(seed))
+        self.waiting.append(request)
+        return request
+
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    def cancel(self, request):
+        """Stops a request (waiting or running); its slot is free for the next step."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request.slot is not None:
+            self._release(request)
+        request.finish_reason = "cancelled"
+
+    def generate(self, prompts, params, seed=0, steps_per_sync=16):
+        """Continuations (lists of ids, each ending at eod included or after max_new_tokens) of token-id prompts.
+        Prompt i samples with seed + i."""
+        requests = [self.add_request(p, params, seed + i) for i, p in enumerate(prompts)]
+        while self.has_work():
+            self.step(steps_per_sync)
+        return [r.output for r in requests]
+
+    # ---- stepping ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, num_steps=1):
+        """Admits waiting requests into free slots (prefill), runs up to num_steps decode steps for all running
+        rows without a host sync, then reads the results back once. Returns the requests that finished."""
+        self._admit()
+        if self.running:
+            steps = min(num_steps, max(r.params.max_new_tokens - r._host_count for r in self.running.values()))
+            for _ in range(steps):
+                self._decode_step()
+        return self._collect()
+
+    def _admit(self):
+        admitted = []
+        while self.waiting and self._free:
+            request = self.waiting.popleft()
+            request.slot = heapq.heappop(self._free)
+            request._host_pos = len(request.prompt)
+            self.running[request.slot] = request
+            admitted.append(request)
+        if not admitted:
+            return
+        self._load_params(admitted)
+        short = [r for r in admitted if len(r.prompt) <= self.prefill_chunk]
+        for r in admitted:
+            if len(r.prompt) > self.prefill_chunk:
+                self._prefill([r])
+        group, padded = [], 0  # batch short prompts together, up to prefill_chunk padded tokens per pass
+        for r in sorted(short, key=lambda r: len(r.prompt)):
+            if group and (len(group) + 1) * len(r.prompt) > self.prefill_chunk:
+                self._prefill(group)
+                group = []
+            group.append(r)
+        if group:
+            self._prefill(group)
+
+    def _load_params(self, requests):
+        slots = torch.tensor([r.slot for r in requests], device=self.device)
+
+        def put(tensor, values, dtype):
+            tensor[slots] = torch.tensor(values, dtype=dtype).to(self.device)
+
+        put(self.greedy, [r.params.greedy for r in requests], torch.bool)
+        put(self.temperature, [r.params.temperature for r in requests], torch.float32)
+        put(self.top_k, [r.params.top_k for r in requests], torch.long)
+        put(self.top_p, [r.params.top_p for r in requests], torch.float32)
+        put(self.seeds, [r.seed for r in requests], torch.long)
+        put(self.max_new, [r.params.max_new_tokens for r in requests], torch.long)
+        put(self.count, [0] * len(requests), torch.long)
+        put(self.done, [False] * len(requests), torch.bool)
+        put(self.pos, [len(r.prompt) for r in requests], torch.long)
+
+    def _prefill(self, requests):
+        """Fills the requests' slots with their prompts and samples each one's first token."""
+        lengths = [len(r.prompt) for r in requests]
+        if len(requests) == 1 and lengths[0] > self.prefill_chunk:
+            prompt = requests[0].prompt
+            for start in range(0, len(prompt), self.prefill_chunk):
+                chunk = prompt[start:start + self.prefill_chunk]
+                hidden = self._prefill_pass([requests[0].slot], [chunk], start)
+            last = hidden[:, len(chunk) - 1]
+        else:
+            # right-padded: a row's real queries see only earlier real keys (causal), the padding positions are
+            # overwritten by its later tokens before any query can see them
+            hidden = self._prefill_pass([r.slot for r in requests], [r.prompt for r in requests], 0)
+            last = hidden[torch.arange(len(requests), device=self.device),
+                          torch.tensor(lengths, device=self.device) - 1]
+        logits = self._logits(last[:, None])  # the LM head on each row's last position only
+        slots = torch.tensor([r.slot for r in requests], device=self.device)
+        self._advance(slots, logits, any(not r.params.greedy for r in requests),
+                      any(r.params.filters and not r.params.greedy for r in requests), decode=False)
+        for r in requests:
+            r._host_count = 1
+
+    def _prefill_pass(self, slots, token_lists, start):
+        width = max(len(t) for t in token_lists)
+        ids = torch.zeros(len(token_lists), width, dtype=torch.long)
+        for row, tokens in enumerate(token_lists):
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.cache.set_prefill(slots, start, width, self.dtype)
+        try:
+            return self.model.hidden_states(ids.to(self.device), cache=self.cache)
+        finally:
+            self.cache.clear()
+
+    def _logits(self, hidden):
+        logits = self.model.lm_logits(hidden)[:, 0].float()  # (B, V)
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits[:, self.vocab_limit:] = float("-inf")
+        return logits
+
+    def _advance(self, rows, logits, any_sampled, any_filtered, decode):
+        """Samples the rows' next tokens (rows: a (B,) tensor of slots) and updates their state on the device,
+        with no host synchronisation. A decode step moves a live row's position on; a prefill's first token is
+        written at the prompt's end, where pos already points."""
+        tokens = sample_rows(logits, self.greedy[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                             self.seeds[rows], self.count[rows], any_sampled, any_filtered)
+        if self.sync_tokens is not None:
+            tokens = self.sync_tokens(tokens)
+        live = ~self.done[rows]
+        count = self.count[rows]
+        self.out[rows, torch.where(live, count, self.max_new_cap)] = tokens  # finished rows: the discard column
+        count = count + live.long()
+        finished = live & ((tokens == self.eod_id) | (count >= self.max_new[rows]))
+        self.count[rows] = count
+        self.done[rows] = ~live | finished
+        self.tokens[rows] = torch.where(live, tokens, self.tokens[rows])
+        if decode:
+            self.pos[rows] += (live & ~finished).long()
+
+    def _decode_step(self):
+        top = max(self.running) + 1
+        batch = next(b for b in self._batch_buckets if b >= top)
+        needed = max(r._host_pos for r in self.running.values()) + 1
+        kv_len = min(self.max_seq_len, -(-needed // self.kv_bucket) * self.kv_bucket)
+        logits = self._decode_logits(batch, kv_len)
+        requests = self.running.values()
+        sampled = [r for r in requests if not r.params.greedy]
+        self._advance(self.cache.rows[:batch], logits, bool(sampled), any(r.params.filters for r in sampled),
+                      decode=True)
+        for r in requests:
+            r._host_pos = min(r._host_pos + 1, self.max_seq_len - 1)
+            r._host_count += 1
+
+    def _decode_forward(self, batch, kv_len):
+        self.cache.set_decode(batch, kv_len, self.pos[:batch], self.dtype)
+        hidden = self.model.hidden_states(self.tokens[:batch, None], cache=self.cache)
+        return self._logits(hidden)
+
+    def _decode_logits(self, batch, kv_len):
+        if not self.cuda_graphs:
+            try:
+                return self._decode_forward(batch, kv_len)
+            finally:
+                self.cache.clear()
+        key = (batch, kv_len)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(batch, kv_len)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
+
+    def _capture(self, batch, kv_len):
+        """Warms the step up on a side stream, then records it; the graph reads tokens/pos and writes the cache
+        in place (the warm-up's writes are the same values the replay writes)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_forward(batch, kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._decode_forward(batch, kv_len)
+        self.cache.clear()
+        logger.info(f"inference: captured the decode step for batch {batch}, kv length {kv_len}")
+        return graph, logits
+
+    def _collect(self):
+        """The one host synchronisation: reads counts, done flags and tokens; finishes and frees done rows."""
+        if not self.running:
+            return []
+        top = max(self.running) + 1
+        count = self.count[:top].cpu()
+        done = self.done[:top].cpu()
+        width = int(count.max())
+        out = self.out[:top, :width].cpu()
+        finished = []
+        for slot, request in list(self.running.items()):
+            request.output = out[slot, :int(count[slot])].tolist()
+            if done[slot]:
+                request.finish_reason = "stop" if request.output and request.output[-1] == self.eod_id \
+                    else "length"
+                self._release(request)
+                finished.append(request)
+        return finished
+
+    def _release(self, request):
+        self.done[request.slot] = True
+        del self.running[request.slot]
+        heapq.heappush(self._free, request.slot)
+        request.slot = None
+
+    def warmup(self, batch_sizes=None, kv_lengths=None):
+        """Captures the decode graphs of the given buckets now (default: every batch bucket, the first kv bucket)."""
+        if not self.cuda_graphs:
+            return
+        kv_lengths = kv_lengths or [min(self.max_seq_len, self.kv_bucket)]
+        for batch in batch_sizes or self._batch_buckets:
+            for kv_len in kv_lengths:
+                if (batch, kv_len) not in self._graphs:
+                    self._graphs[(batch, kv_len)] = self._capture(batch, kv_len)

@@ -1,0 +1,154 @@
+"""InferenceEngine on the CPU (fp32): greedy equals HF generate token for token, with and without the static cache;
+per-row eod stop; continuous batching; seeded sampling reproducible and independent of the batch; bad requests."""
+import pytest
+import torch
+from transformers import BloomConfig, BloomForCausalLM
+
+from megatron.config import ModelConfig
+from megatron.inference import InferenceEngine, SamplingParams
+from megatron.inference.reference import generate as reference_generate
+from megatron.inference.sampling import filter_rows, hashed_uniform, sample_rows
+from megatron.model import BloomModel
+from megatron.model.hf_bloom import from_hf_state_dict
+
+VOCAB = 256
+# different lengths, one longer than the prefill chunk used below (so it is prefilled in chunks)
+PROMPTS = [[17, 90, 45, 200, 33, 12, 8], [150, 61], [99, 98, 97, 96], list(range(10, 50))]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A random HF BLOOM with large weights (so greedy decoding does not just repeat) and our copy."""
+    torch.manual_seed(0)
+    hf = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=4, initializer_range=1.0,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=3)).eval()
+    config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=128,
+                         attention_impl="torch")
+    ours = BloomModel(config, parallel_output=False).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
+    return hf, ours
+
+
+def hf_greedy(hf, prompt, max_new_tokens, eos=None):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                      eos_token_id=eos, pad_token_id=3)[0, len(prompt):].tolist()
+    return out[:out.index(eos) + 1] if eos is not None and eos in out else out
+
+
+def engine(model, **kwargs):
+    kwargs = {"max_batch_size": 4, "max_seq_len": 96, "kv_bucket": 16, "prefill_chunk": 16, **kwargs}
+    return InferenceEngine(model, **kwargs)
+
+
+def test_greedy_batch_of_different_lengths_equals_hf_and_the_reference_path(pair):
+    hf, ours = pair
+    params = SamplingParams(greedy=True, max_new_tokens=24)
+    expected = [hf_greedy(hf, p, 24) for p in PROMPTS]
+    assert all(len(set(e)) > 3 for e in expected)  # the test model does not merely repeat one token
+    assert engine(ours).generate(PROMPTS, params, steps_per_sync=5) == expected  # static cache
+    assert reference_generate(ours, PROMPTS, params, eod_id=-1, pad_id=3) == expected  # growing cache, left padding
+
+
+def test_each_row_stops_at_eod_and_reports_why(pair):
+    hf, ours = pair
+    free = engine(ours).generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=12))
+    # the end of document: the first token of row 0, after its first, that did not occur earlier in the row
+    cut = next(i for i in range(1, len(free[0])) if free[0][i] not in free[0][:i])
+    eod = free[0][cut]
+    eng = engine(ours, eod_id=eod)
+    requests = [eng.add_request(p, SamplingParams(greedy=True, max_new_tokens=12)) for p in PROMPTS]
+    while eng.has_work():
+        eng.step(num_steps=4)
+    assert requests[0].output == free[0][:cut + 1] and requests[0].finish_reason == "stop"
+    for prompt, request in zip(PROMPTS, requests):
+        assert request.output == hf_greedy(hf, prompt, 12, eos=eod)
+        assert request.finish_reason == ("stop" if request.output[-1] == eod else "length")
+
+
+def test_continuous_batching_rows_join_and_leave_without_changing_outputs(pair):
+    _, ours = pair
+    alone = [engine(ours, max_batch_size=1).generate([p], SamplingParams(greedy=True, max_new_tokens=n))[0]
+             for p, n in zip(PROMPTS, (5, 20, 9, 14))]
+    eng = engine(ours, max_batch_size=2)  # 4 requests of different lengths through 2 slots
+    requests = [eng.add_request(p, SamplingParams(greedy=True, max_new_tokens=n))
+                for p, n in zip(PROMPTS[:2], (5, 20))]
+    eng.step()
+    assert len(eng.running) == 2 and len(eng.waiting) == 0
+    requests += [eng.add_request(p, SamplingParams(greedy=True, max_new_tokens=n))
+                 for p, n in zip(PROMPTS[2:], (9, 14))]  # arrive while the first two decode
+    finished = []
+    while eng.has_work():
+        finished += eng.step(num_steps=3)
+    assert [r.output for r in requests] == alone
+    assert finished[0] is requests[0]  # the shortest left first and freed its slot for a waiting one
+    assert all(r.finish_reason == "length" for r in requests)
+
+
+def test_cancel_frees_the_slot(pair):
+    _, ours = pair
+    eng = engine(ours, max_batch_size=1)
+    first = eng.add_request(PROMPTS[0], SamplingParams(greedy=True, max_new_tokens=30))
+    second = eng.add_request(PROMPTS[1], SamplingParams(greedy=True, max_new_tokens=6))
+    eng.step()
+    eng.cancel(first)
+    assert first.finish_reason == "cancelled"
+    while eng.has_work():
+        eng.step()
+    assert second.output == engine(ours).generate([PROMPTS[1]], SamplingParams(greedy=True, max_new_tokens=6))[0]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(pair):
+    _, ours = pair
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=16)
+    batched = engine(ours).generate(PROMPTS, params, seed=7)
+    assert batched == engine(ours).generate(PROMPTS, params, seed=7)
+    one_by_one = [engine(ours, max_batch_size=1).generate([p], params, seed=7 + i)[0] for i, p in enumerate(PROMPTS)]
+    assert batched == one_by_one
+    assert batched != engine(ours).generate(PROMPTS, params, seed=8)
+
+
+def test_vocab_limit_excludes_padding_rows(pair):
+    _, ours = pair
+    outputs = engine(ours, vocab_limit=100).generate(PROMPTS, SamplingParams(temperature=2.0, max_new_tokens=20))
+    assert all(t < 100 for out in outputs for t in out)
+    assert len({t for out in outputs for t in out}) > 10
+
+
+def test_bad_requests_name_the_limit(pair):
+    _, ours = pair
+    eng = engine(ours)
+    with pytest.raises(ValueError, match=r"^the prompt \(90 tokens\) plus max_new_tokens \(7\) exceeds the engine's "
+                                         r"max_seq_len 96: shorten the prompt"):
+        eng.add_request(list(range(90)), SamplingParams(max_new_tokens=7))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        eng.add_request([], SamplingParams())
+    assert not eng.has_work()
+
+
+def test_hashed_uniform_is_a_function_of_seed_and_counter():
+    seeds, counters = torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0])
+    u = hashed_uniform(seeds, counters, 50_000)
+    assert torch.equal(u, hashed_uniform(seeds, counters, 50_000))
+    assert torch.equal(u[0], hashed_uniform(torch.tensor([1]), torch.tensor([0]), 50_000)[0])
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+
+
+def test_per_row_filters_match_the_single_row_filter():
+    from megatron.inference.sampling import filter_logits
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    got = filter_rows(logits, torch.tensor([5, 0, 3]), torch.tensor([1.0, 0.7, 0.5]))
+    for row, (k, p) in enumerate([(5, 1.0), (0, 0.7), (3, 0.5)]):
+        assert torch.equal(torch.isinf(got[row]), torch.isinf(filter_logits(logits[row:row + 1], k, p)[0]))
+
+
+def test_gumbel_sampling_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).expand(6000, 3)
+    n = logits.shape[0]
+    tokens = sample_rows(logits, torch.zeros(n, dtype=torch.bool), torch.full((n,), 0.5), torch.zeros(n, dtype=torch.long),
+                         torch.ones(n), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    expected = torch.softmax(logits[0] / 0.5, dim=0)
+    share = torch.bincount(tokens, minlength=3).float() / n
+    assert torch.allclose(share, expected, atol=0.02), (share, expected)
