@@ -3,12 +3,11 @@
     deepspeed --num_gpus 2 pretrain_bloom.py --tensor-model-parallel-size 2 ... --deepspeed --deepspeed_config ds.json
 """
 import logging
-import sys
 
 from megatron.arguments import build_config, parse_args, world_size_from_env
 from megatron.core.parallel_state import validate_parallel_sizes
-from megatron.deepspeed_config import build_deepspeed_config, load_user_config, reconcile_args
-from megatron.initialize import setup_logging
+from megatron.deepspeed_config import apply_flag_keys, build_deepspeed_config, load_user_config, reconcile_args
+from megatron.initialize import deepspeed_output, exit_before_distributed, setup_logging
 
 logger = logging.getLogger("megatron")
 
@@ -32,10 +31,11 @@ def build_tokenizer_from_args(args):
 def resolve_config(argv=None):
     """Every check that can fail before any process group, model or data is built. Returns (config, ds, tok)."""
     args = parse_args(argv)
+    user_ds = load_user_config(args.deepspeed_config)
+    apply_flag_keys(args, user_ds, args.deepspeed_config)  # its keys naming flags (lr, micro_batch_size, ...)
     world_size = world_size_from_env()
     data_parallel_size = validate_parallel_sizes(world_size, args.tensor_model_parallel_size,
                                                  args.pipeline_model_parallel_size)
-    user_ds = load_user_config(args.deepspeed_config)
     reconcile_args(args, user_ds, data_parallel_size)
     tokenizer = None if args.mock_data and not (args.vocab_file or args.tokenizer_name_or_path) \
         else build_tokenizer_from_args(args)
@@ -87,11 +87,12 @@ def main(argv=None, step_hook=None):
             checkpointing.check_save_dir(config.checkpoint.save, checkpointing.checkpoint_bytes(
                 config.model.num_parameters(), config.precision.name, config.checkpoint.no_save_optim))
     except ValueError as err:
-        logger.error("%s", err)
-        sys.exit(2)
+        exit_before_distributed(str(err), 2)  # printed once, not once per process
+    setup_logging(log_level=config.logging.log_level)
 
     from megatron.initialize import (exit_after_error, initialize_distributed, load_kernels, set_random_seeds,
                                      shutdown_distributed)
+    from megatron.data.indexed_dataset import IndexedDatasetError
     from megatron.training import FatalTrainingError, pretrain, setup_engine
 
     state = initialize_distributed(config.parallel)
@@ -100,14 +101,15 @@ def main(argv=None, step_hook=None):
     except RuntimeError as err:  # --abort-on-unmet-fused-kernel-constraints and the kernels cannot serve
         exit_after_error(err, 1)
     set_random_seeds(config.training.seed, state)
-    engine, scheduler = setup_engine(config, ds_config, state)
+    with deepspeed_output():  # its prints (topology, memory dumps) only with --log-level debug
+        engine, scheduler = setup_engine(config, ds_config, state)
     try:
         start = None
         if config.checkpoint.load:
             start = checkpointing.load_checkpoint(engine, config)
         datasets = build_datasets(config)
         result = pretrain(config, engine, scheduler, datasets, tokenizer, start, step_hook)
-    except (checkpointing.CheckpointError, FatalTrainingError) as err:  # known causes: one line, exit 1
+    except (checkpointing.CheckpointError, FatalTrainingError, IndexedDatasetError) as err:  # one line, exit 1
         exit_after_error(err, 1)
     shutdown_distributed()
     return result

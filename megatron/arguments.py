@@ -1,22 +1,34 @@
 """Command-line flags (Megatron's names, the BLOOM document's spellings as aliases, DeepSpeed's own).
 
 parse_args() returns the argparse Namespace; build_config() turns it into the typed, frozen Config once.
-Nothing after build_config reads argparse.
+Nothing after build_config reads argparse. The flags in REQUIRED may also come from the DeepSpeed JSON (as
+`lr`, `micro_batch_size`, ...: see flags_by_json_key), so they are checked after it is read (check_required).
+A bad command line is reported once per job on one line (ArgumentParser.error), not once per process.
 """
 import argparse
+import difflib
+import json
 import os
 
 from megatron.config import (ATTENTION_IMPLS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
                              OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig, pad_vocab_size)
 
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
+_REQUIRED_HELP = "required (here or in the DeepSpeed JSON)"
+LOG_LEVELS = ("debug", "info", "warning")
+# DeepSpeed JSON keys of BLOOM's published ds_config that name a flag by another spelling.
+JSON_ALIASES = {"warmup_iters": "--lr-warmup-iters"}
+_NOT_FROM_JSON = {"deepspeed", "deepspeed_config", "local_rank"}  # the launcher's business, not the JSON's
+_UNSET = object()
+
 
 def _model_flags(parser):
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-layers", type=int, default=None, help=_REQUIRED_HELP)
+    g.add_argument("--hidden-size", type=int, default=None, help=_REQUIRED_HELP)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, default=None, help=_REQUIRED_HELP)
+    g.add_argument("--seq-length", type=int, default=None, help=_REQUIRED_HELP)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
@@ -52,7 +64,7 @@ def _parallel_flags(parser):
 
 def _training_flags(parser):
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, default=None, help=_REQUIRED_HELP)
     g.add_argument("--global-batch-size", "--batch-size", dest="global_batch_size", type=int, default=None,
                    help="default: micro batch x data-parallel size")
     g.add_argument("--train-iters", type=int, default=None)
@@ -69,7 +81,7 @@ def _training_flags(parser):
 
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--lr", type=float, default=None, help=_REQUIRED_HELP)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -126,6 +138,8 @@ def _logging_checkpoint_flags(parser):
                    "metrics.jsonl in --tensorboard-dir or --save)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="device bf16 peak for MFU (default: measured once at start-up on CUDA)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="info: our log lines only; debug: also DeepSpeed's logs, prints and warnings")
 
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -139,9 +153,22 @@ def _logging_checkpoint_flags(parser):
     g.add_argument("--strict-load", action="store_true", help="stop instead of falling back to an older checkpoint")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line once per job, in one line ending in `see --help` (no usage
+    block), and prints --help once: launchers start one copy of the script per GPU."""
+
+    def error(self, message):
+        from megatron.initialize import exit_before_distributed
+        exit_before_distributed(f"{message}; see {self.prog} --help", 2)
+
+    def print_help(self, file=None):
+        from megatron.initialize import is_first_local_rank
+        if is_first_local_rank():
+            super().print_help(file)
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(description="Pretrain a BLOOM-architecture model with DeepSpeed",
-                                     allow_abbrev=False)
+    parser = ArgumentParser(description="Pretrain a BLOOM-architecture model with DeepSpeed", allow_abbrev=False)
     for add in (_model_flags, _parallel_flags, _training_flags, _deepspeed_flags, _data_flags,
                 _logging_checkpoint_flags):
         add(parser)
@@ -149,7 +176,76 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    """The Namespace of the command line, plus `explicit_flags`: the dests given on it (not defaulted), which
+    a DeepSpeed JSON key naming the same flag must agree with."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unrecognized(parser, unknown))
+    probe = build_parser()  # the same flags, every default replaced by a marker no command line can produce
+    probe.set_defaults(**{dest: _UNSET for dest in vars(args)})
+    given = vars(probe.parse_known_args(argv)[0])
+    args.explicit_flags = frozenset(dest for dest, value in given.items() if value is not _UNSET)
+    return args
+
+
+def _unrecognized(parser, unknown):
+    spellings = [s for action in parser._actions for s in action.option_strings]
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    close = [match for flag in flags for match in difflib.get_close_matches(flag, spellings, n=1, cutoff=0.8)]
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
+
+
+def flags_by_json_key():
+    """{DeepSpeed JSON key: argparse action} for the flags a top-level JSON key may set: each long spelling
+    with underscores (lr, min_lr, micro_batch_size, model_parallel_size, ...) and JSON_ALIASES."""
+    by_spelling = {s: action for action in build_parser()._actions for s in action.option_strings}
+    actions = {spelling[2:].replace("-", "_"): action for spelling, action in by_spelling.items()
+               if spelling.startswith("--") and action.dest not in _NOT_FROM_JSON and action.dest != "help"}
+    actions.update({key: by_spelling[flag] for key, flag in JSON_ALIASES.items()})
+    return actions
+
+
+def json_value_for_flag(action, key, value):
+    """The value `action`'s dest takes from JSON key `key` (typed and checked as on the command line)."""
+    flag = action.option_strings[0]
+
+    def bad(expected):
+        return ValueError(f"DeepSpeed config {key}={json.dumps(value)} is not a valid {flag}: expected "
+                          f"{expected}; fix the value or drop the key")
+    if action.nargs == 0:  # a switch (--bf16, --no-embed-layernorm): true/false
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return action.const if value else not action.const
+    if action.nargs in ("*", "+"):
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
+            raise bad("a list of strings")
+        return [str(v) for v in values]
+    kind = action.type or str
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise bad(f"a{'n integer' if kind is int else ' number' if kind is float else ' string'}")
+    if kind is int and isinstance(value, float):
+        if not value.is_integer():
+            raise bad("an integer")
+        value = int(value)
+    try:
+        converted = kind(value)
+    except ValueError:
+        raise bad(f"a{'n integer' if kind is int else ' number' if kind is float else ' string'}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise bad("one of " + ", ".join(map(str, action.choices)))
+    return converted
+
+
+def check_required(args):
+    """REQUIRED flags come from the command line or the DeepSpeed JSON; raises ValueError naming the missing."""
+    missing = [dest for dest in REQUIRED if getattr(args, dest, None) is None]
+    if missing:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in missing)
+        raise ValueError(f"missing required flags: {flags}; pass them on the command line (or as "
+                         f"{', '.join(missing)} in the --deepspeed_config JSON)")
 
 
 def world_size_from_env():
@@ -182,6 +278,7 @@ def _check_data_paths(args):
 
 def build_config(args, world_size, tokenizer_vocab_size):
     """Validates every cross-flag rule and returns the frozen Config. Raises ValueError naming the flags."""
+    check_required(args)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; choose one")
     import torch
@@ -219,7 +316,8 @@ def build_config(args, world_size, tokenizer_vocab_size):
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters, weight_decay=args.weight_decay,
-        clip_grad=1.0 if args.clip_grad is None else args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=1.0 if args.clip_grad is None else args.clip_grad, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum)
     precision = PrecisionConfig(bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
                                 initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
@@ -242,6 +340,7 @@ def build_config(args, world_size, tokenizer_vocab_size):
     metrics_dir = args.tensorboard_dir or args.save
     logging_config = LoggingConfig(
         log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops,
+        log_level=args.log_level,
         metrics_file=args.metrics_file or (os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None))
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, no_load_optim=args.no_load_optim,

@@ -28,6 +28,7 @@ import torch
 
 from megatron import checkpointing
 from megatron.config import ModelConfig
+from megatron.file_modes import apply_umask
 
 logger = logging.getLogger(__name__)
 
@@ -392,6 +393,7 @@ def write_megatron_checkpoint(out, weights, config, tp, pp, *, iteration=0, cons
         if not is_tag:
             with open(os.path.join(tmp, "latest"), "w") as f:
                 f.write(tag)
+        apply_umask(tmp)  # the copied tokenizer files keep their source's mode otherwise
     final = os.path.abspath(out)
     return final if is_tag else os.path.join(final, tag)
 
@@ -464,6 +466,7 @@ def write_hf_folder(out, weights, config, dtype, tokenizer_dir=None, max_shard_s
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         copy_tokenizer(tokenizer_dir, tmp)
+        apply_umask(tmp)  # safetensors writes 0600 (a temporary renamed); copies keep their source's mode
     return os.path.abspath(out)
 
 

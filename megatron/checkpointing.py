@@ -1,15 +1,28 @@
-"""Checkpoints: atomic folders with a manifest, DeepSpeed's engine state, and our canonical weight shards.
+"""Checkpoints: atomic folders with a manifest, our canonical weight shards and each rank's optimizer state.
 
 Layout of <save>/iter_0000100/ (written under <save>/.tmp_iter_0000100/ and renamed when complete):
 
     model_tp00_pp000.pt     weights of (TP rank, PP stage) under BloomModel's names, with each tensor's
-                            partition dim; what tools/merge_mp_partitions.py and --finetune read
-    <DeepSpeed files>       engine.save_checkpoint(): module, optimizer (ZeRO partitions), LR scheduler
+                            partition dim; what tools/merge_mp_partitions.py, --finetune and resuming read
+    optimizer_tp00_pp000_dp00000.pt
+                            the engine state of (TP rank, PP stage, DP rank): DeepSpeed's optimizer wrapper's
+                            state_dict() (fp32 master weights under bf16/fp16, Adam's moments, the loss scaler;
+                            a ZeRO partition per DP rank, one file for the DP group when the state is replicated),
+                            the LR schedule's position and the engine's step counters. No model weights.
     rng_rank00000.pt        per-rank CPU/CUDA/model-parallel RNG states
     tokenizer/              the tokenizer, saved with save_pretrained
     config.json             the resolved run config
     meta.json               iteration, consumed samples, topology, precision
     manifest.json           written last: every file's size and CRC32
+
+Every tensor is stored once (megatron/engine_state.py): the weights only in the model shards (DeepSpeed's
+engine.save_checkpoint would write them a second time, and under bf16 with pipeline parallelism the optimizer
+state twice, then fail to load it); in fp32, ZeRO's fp32 partitions (equal to the weights) are rebuilt from the
+loaded weights; with PP > 1 the optimizer state of the last stage's copy of the tied word embedding is sent from
+the first stage on load. Per parameter: 4 + 8 bytes (fp32 weights + Adam's two moments) or 2 + 4 + 8 (bf16/fp16
+weights + fp32 master weights + Adam), plus ZeRO's alignment padding and the files' headers.
+Checkpoints written before this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and
+still load through engine.load_checkpoint.
 
 <save>/latest holds the tag of the newest complete checkpoint (DeepSpeed's format) and is replaced atomically.
 
@@ -32,6 +45,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from megatron import engine_state
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -98,21 +112,47 @@ def _fsync_dir(folder):
         os.close(fd)
 
 
+class _Checksummed:
+    """A write-only file wrapper that keeps the size and CRC32 of what passes through it (torch.save writes a
+    file object through write() alone), so that the manifest needs no second pass over the bytes."""
+
+    def __init__(self, f):
+        self.f, self.size, self.crc32 = f, 0, 0
+
+    def write(self, data):
+        view = memoryview(data)
+        self.size += view.nbytes
+        self.crc32 = zlib.crc32(view, self.crc32)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
 def _torch_save_synced(obj, path):
+    """torch.save to path, flushed and fsynced; returns the file's manifest entry {"size", "crc32"}."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        stream = _Checksummed(f)
+        torch.save(obj, stream)
         f.flush()
         os.fsync(f.fileno())
+    return {"size": stream.size, "crc32": stream.crc32}
 
 
-def write_manifest(folder, iteration):
+def write_manifest(folder, iteration, known=None):
+    """manifest.json for every file under folder; known: {relative path: {"size", "crc32"}} computed while the
+    files were written (used when the size on disk agrees), the others are read back."""
+    known = known or {}
     files = {}
     for root, _, names in os.walk(folder):
         for name in sorted(names):
             path = os.path.join(root, name)
             rel = os.path.relpath(path, folder)
-            if rel != MANIFEST:
-                files[rel] = {"size": os.path.getsize(path), "crc32": _crc32(path)}
+            if rel == MANIFEST:
+                continue
+            size = os.path.getsize(path)
+            entry = known.get(rel)
+            files[rel] = entry if entry and entry["size"] == size else {"size": size, "crc32": _crc32(path)}
     _write_json_atomic(os.path.join(folder, MANIFEST), {"iteration": iteration, "files": files})
 
 
@@ -235,6 +275,38 @@ def set_rng_state(state):
     get_rng_tracker().set_states(state["tracker"])
 
 
+def optimizer_state_name(tp_rank, pp_rank, dp_rank):
+    return f"optimizer_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.pt"
+
+
+def _read_engine_state(folder, tp_rank, pp_rank, dp_rank):
+    path = os.path.join(folder, optimizer_state_name(tp_rank, pp_rank, dp_rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--load {folder}: {path} is missing although meta.json records the optimizer "
+                              "state; the checkpoint is incomplete (load an older one, or pass --no-load-optim "
+                              "to resume from the weights alone)")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_engine_state(engine, folder, load_optimizer=True):
+    """Restores each rank's optimizer state, LR schedule position and step counters (megatron.engine_state) into
+    an engine whose module holds the checkpoint's weights. --no-load-optim (load_optimizer=False) keeps the
+    fresh optimizer and schedule and copies the weights into the fp32 master weights. Returns the saved LR
+    scheduler state (None when not restored)."""
+    state = parallel_state.get_parallel_state()
+    if not load_optimizer:
+        engine_state.refresh_master_weights(engine)
+        return None
+    dp_rank = state.dp_rank if engine_state.partitioned(engine.optimizer) else 0
+    saved = _read_engine_state(folder, state.tp_rank, state.pp_rank, dp_rank)
+    try:
+        engine_state.restore(engine, saved, lambda r: _read_engine_state(folder, state.tp_rank, state.pp_rank, r))
+    except ValueError as err:
+        raise CheckpointError(f"--load {folder}: {err}; resume with the checkpoint's --zero-stage and precision, "
+                              "or pass --no-load-optim to restart the optimizer from the weights") from None
+    return saved["lr_scheduler"]
+
+
 def _agree_on_failure(error):
     """Collective: the lowest rank whose step failed (None when none did). Doubles as a barrier."""
     state = parallel_state.get_parallel_state()
@@ -297,15 +369,21 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
         fail("creating the temporary folder", failed, error)
 
     error = None
+    written = {}  # file name -> manifest entry, for the files this rank wrote
     try:
         if not config.checkpoint.no_save_optim:  # --no-save-optim: weights only (our shards), no engine state
-            engine.save_checkpoint(root, tag=TMP_PREFIX + tag, save_latest=False, exclude_frozen_parameters=False)
+            saved = engine_state.collect(engine, config.precision.name, state.dp_rank)
+            if saved is not None:
+                name = optimizer_state_name(state.tp_rank, state.pp_rank, state.dp_rank)
+                written[name] = _torch_save_synced(saved, os.path.join(tmp, name))
+                del saved
         shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage)
         if state.dp_rank == 0:
-            _torch_save_synced(shard, os.path.join(tmp, shard_name(state.tp_rank, state.pp_rank)))
-        _torch_save_synced(rng_state(), os.path.join(tmp, f"rng_rank{state.rank:05d}.pt"))
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            _fsync_tree(tmp)  # DeepSpeed's files; once per node is enough (fsync is per file, not per process)
+            name = shard_name(state.tp_rank, state.pp_rank)
+            written[name] = _torch_save_synced(shard, os.path.join(tmp, name))
+        del shard
+        name = f"rng_rank{state.rank:05d}.pt"
+        written[name] = _torch_save_synced(rng_state(), os.path.join(tmp, name))
         if fault_hook is not None:
             fault_hook("written")
     except OSError as err:
@@ -313,6 +391,10 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
     failed = _agree_on_failure(error)
     if failed is not None:
         fail("writing its files", failed, error)
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, written)
+        written = {name: entry for part in everyone for name, entry in part.items()}
 
     final = os.path.join(root, tag)
     error = None
@@ -322,13 +404,14 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
                     "tensor_model_parallel_size": state.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": state.pipeline_model_parallel_size,
                     "data_parallel_size": state.data_parallel_size, "zero_stage": config.training.zero_stage,
-                    "precision": config.precision.name, "deepspeed_state": not config.checkpoint.no_save_optim}
+                    "precision": config.precision.name, "deepspeed_state": not config.checkpoint.no_save_optim,
+                    "engine_state_version": engine_state.FORMAT}
             _write_json_atomic(os.path.join(tmp, "meta.json"), meta)
             _write_json_atomic(os.path.join(tmp, "config.json"), dataclasses.asdict(config))
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
             _fsync_tree(tmp)
-            write_manifest(tmp, iteration)
+            write_manifest(tmp, iteration, written)
             _fsync_dir(tmp)
             if os.path.isdir(final):  # an older run's folder of the same iteration: set aside, then replaced
                 os.replace(final, os.path.join(root, TMP_PREFIX + "old_" + tag))
@@ -379,11 +462,11 @@ def _prune(root, keep, current):
 
 
 def checkpoint_bytes(num_parameters, precision, no_save_optim=False):
-    """Estimated size of one checkpoint: the weights twice (DeepSpeed's module file and our
-    model_tp*_pp*.pt shards) plus Adam's state (fp32 master weights under bf16/fp16, and two moments)."""
+    """Estimated size of one checkpoint: the weights once (model_tp*_pp*.pt) plus Adam's state (two fp32
+    moments, and fp32 master weights under bf16/fp16): 12 bytes per parameter in fp32, 14 in bf16/fp16."""
     weight = 4 if precision == "fp32" else 2
     optimizer = 0 if no_save_optim else (8 if precision == "fp32" else 12)
-    return num_parameters * (2 * weight + optimizer)
+    return num_parameters * (weight + optimizer)
 
 
 def check_save_dir(root, needed_bytes):
@@ -401,7 +484,7 @@ def check_save_dir(root, needed_bytes):
     free = shutil.disk_usage(root).free
     if free < needed_bytes:
         raise ValueError(f"--save {root}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
-                         f"{needed_bytes / 2**30:.2f} GiB (weights twice + optimizer state); free space, "
+                         f"{needed_bytes / 2**30:.2f} GiB (weights + optimizer state); free space, "
                          "lower --keep-last-n-checkpoints or point --save elsewhere")
     return free
 
@@ -412,16 +495,27 @@ def read_meta(folder):
 
 
 def load_model_weights(module, folder, num_layers, zero_stage=0):
-    """Loads our canonical shards (this TP rank; the stage's own file and stage 0's for tied embeddings)."""
+    """Loads our canonical shards of this TP rank. With the checkpoint's PP size: the stage's own file and stage
+    0's (the tied embedding); with another PP size, every stage's file (the names are the whole model's)."""
     from megatron.model.pipeline import load_canonical_state_dict
     state = parallel_state.get_parallel_state()
+    meta = read_meta(folder)
+    saved_tp = meta.get("tensor_model_parallel_size") or state.tensor_model_parallel_size
+    saved_pp = meta.get("pipeline_model_parallel_size") or state.pipeline_model_parallel_size
+    if saved_tp != state.tensor_model_parallel_size:
+        raise CheckpointError(
+            f"--load {folder}: saved with --tensor-model-parallel-size {saved_tp}, this run has "
+            f"{state.tensor_model_parallel_size}; reshard it first: python tools/merge_mp_partitions.py --model-path "
+            f"{folder} --output-format megatron --target-tensor-parallel-size {state.tensor_model_parallel_size} "
+            f"--target-pipeline-parallel-size {state.pipeline_model_parallel_size} --output-path NEW_FOLDER, then "
+            "--load NEW_FOLDER")
+    stages = sorted({0, state.pp_rank}) if saved_pp == state.pipeline_model_parallel_size else range(saved_pp)
     weights = {}
-    for pp in sorted({0, state.pp_rank}):
+    for pp in stages:
         path = os.path.join(folder, shard_name(state.tp_rank, pp))
         if not os.path.isfile(path):
-            raise RuntimeError(f"--load {folder}: {path} is missing; the checkpoint was saved with another "
-                               "tensor/pipeline layout (reshard it with tools/merge_mp_partitions.py "
-                               "--output-format megatron)")
+            raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load another "
+                                  "one)")
         weights.update(torch.load(path, map_location="cpu", weights_only=True)["weights"])
     if zero_stage == 3:
         import deepspeed
@@ -441,38 +535,135 @@ class ResumeState:
 
 
 def load_checkpoint(engine, config):
-    """Resumes from --load. Returns a ResumeState (all zero when there is nothing to load)."""
+    """Resumes from --load. Returns a ResumeState (all zero when there is nothing to load).
+
+    Same layout (TP, PP, DP, ZeRO stage, precision) and an engine state: weights from the model shards, then each
+    rank's optimizer state and LR schedule position (load_engine_state). Otherwise, or with --finetune, the
+    weights alone. Checkpoints from before this layout (no "engine_state_version") go through DeepSpeed's
+    engine.load_checkpoint.
+    """
     ckpt = config.checkpoint
     folder = choose_checkpoint(ckpt.load, strict=ckpt.strict_load)
     if folder is None:
         if ckpt.strict_load or ckpt.finetune:
             raise CheckpointError(f"--load {ckpt.load}: no complete checkpoint found")
-        logger.warning("--load %s: no checkpoint found, starting from scratch", ckpt.load)
+        _warn_once("--load %s: no checkpoint found, starting from scratch", ckpt.load)
         return ResumeState()
     meta = read_meta(folder)
     state = parallel_state.get_parallel_state()
     same_layout = (meta.get("deepspeed_state") and
                    meta["tensor_model_parallel_size"] == state.tensor_model_parallel_size and
                    meta["pipeline_model_parallel_size"] == state.pipeline_model_parallel_size and
-                   meta["data_parallel_size"] == state.data_parallel_size)
+                   meta["data_parallel_size"] == state.data_parallel_size and
+                   meta.get("zero_stage", config.training.zero_stage) == config.training.zero_stage and
+                   meta.get("precision", config.precision.name) == config.precision.name)
     if ckpt.finetune or not same_layout:
         load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+        engine_state.refresh_master_weights(engine)
         if ckpt.finetune:
             logger.info("loaded weights from %s for fine-tuning (iteration and optimizer restart)", folder)
             return ResumeState()
-        logger.warning("loaded weights from %s; its layout (TP %s, PP %s, DP %s) differs or has no engine state, "
-                       "so the optimizer and LR schedule restart", folder, meta["tensor_model_parallel_size"],
-                       meta["pipeline_model_parallel_size"], meta["data_parallel_size"])
+        _warn_once("loaded weights from %s; its layout (TP %s, PP %s, DP %s, ZeRO %s, %s) differs or has no engine "
+                   "state, so the optimizer and LR schedule restart", folder, meta["tensor_model_parallel_size"],
+                   meta["pipeline_model_parallel_size"], meta["data_parallel_size"], meta.get("zero_stage"),
+                   meta.get("precision"))
     else:
-        root, tag = os.path.split(os.path.normpath(folder))
-        engine.load_checkpoint(root, tag=tag, load_optimizer_states=not ckpt.no_load_optim,
-                               load_lr_scheduler_states=not ckpt.no_load_optim)
+        if "engine_state_version" not in meta:  # written by DeepSpeed's engine.save_checkpoint
+            root, tag = os.path.split(os.path.normpath(folder))
+            engine.load_checkpoint(root, tag=tag, load_optimizer_states=not ckpt.no_load_optim,
+                                   load_lr_scheduler_states=not ckpt.no_load_optim)
+            schedule_restored = not ckpt.no_load_optim
+        else:
+            load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+            schedule_restored = load_engine_state(engine, folder, load_optimizer=not ckpt.no_load_optim) is not None
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if schedule_restored and scheduler is not None and state.rank == 0:
+            message = schedule_change_message(_read_saved_config(folder), config, scheduler.num_steps)
+            if message:
+                _warn_once("%s", message)
     rng_path = os.path.join(folder, f"rng_rank{state.rank:05d}.pt")
     rng = None
     if not ckpt.no_load_rng and os.path.isfile(rng_path):
         rng = torch.load(rng_path, map_location="cpu", weights_only=False)
     logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
     return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
+
+
+def _warn_once(message, *args):
+    """A warning from global rank 0 only (every rank reaches the same conclusion)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message, *args)
+
+
+def _read_saved_config(folder):
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# The LR schedule's inputs (OptimizerConfig fields) and their flags. lr_decay_iters is --train-iters unless
+# --lr-decay-iters is given, so a changed --train-iters moves the end of the decay.
+_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "lr_decay_style": "--lr-decay-style",
+                   "lr_decay_iters": "--lr-decay-iters", "lr_warmup_iters": "--lr-warmup-iters"}
+
+
+def _short(value):
+    """1.04e-4, 1e-6, 0, 20, cosine: values the way a command line spells them."""
+    if isinstance(value, (str, int)):
+        return str(value)
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def schedule_change_message(saved_config, config, iteration):
+    """One line naming the LR schedule flags whose values differ from the checkpoint's and what that does at the
+    resume iteration; None when the schedule is the same (or the checkpoint has no config.json).
+
+    The LR scheduler restores only its position (AnnealingLR.load_state_dict); its shape comes from the flags.
+    """
+    from megatron.optimizer import AnnealingLR
+    if not saved_config or "optimizer" not in saved_config:
+        return None
+    new = dataclasses.asdict(config.optimizer)
+    old = {**new, **{k: v for k, v in saved_config["optimizer"].items() if k in _SCHEDULE_FLAGS}}
+    old_iters, new_iters = saved_config.get("training", {}).get("train_iters"), config.training.train_iters
+    changed = [field for field in _SCHEDULE_FLAGS if old[field] != new[field]]
+    if not changed:
+        return None
+    changes = []
+    for field in changed:
+        if field == "lr_decay_iters" and old_iters != new_iters and (old[field], new[field]) == (old_iters, new_iters):
+            changes.append(f"--train-iters {old_iters} -> {new_iters}")  # the decay follows --train-iters
+        else:
+            changes.append(f"{_SCHEDULE_FLAGS[field]} {_short(old[field])} -> {_short(new[field])}")
+
+    def lr_at(opt, step):
+        return AnnealingLR(_NoGroups(), opt["lr"], opt["min_lr"], opt["lr_warmup_iters"], opt["lr_decay_iters"],
+                           opt["lr_decay_style"]).get_lr(step)
+
+    effects = []
+    if "lr_warmup_iters" in changed:
+        effects.append(f"the warmup now ends at iteration {new['lr_warmup_iters']}")
+    if new["lr_decay_style"] == "constant":
+        if "lr_decay_style" in changed:
+            effects.append("the lr is now constant after the warmup")
+    elif "lr_decay_iters" in changed or "lr_decay_style" in changed:
+        effects.append(f"the {new['lr_decay_style']} decay now ends at iteration {new['lr_decay_iters']}")
+    old_lr, new_lr = lr_at(old, iteration), lr_at(new, iteration)
+    if old_lr != new_lr:
+        effects.append(f"lr at iteration {iteration} is {_short(new_lr)} instead of {_short(old_lr)}")
+    else:
+        effects.append(f"lr at iteration {iteration} is still {_short(new_lr)}; later iterations differ")
+    return f"resume: {', '.join(changes)} (checkpoint's value -> now): {'; '.join(effects)}"
+
+
+class _NoGroups:
+    """An optimizer without parameter groups, to evaluate a schedule with AnnealingLR alone."""
+    param_groups = ()
 
 
 def saved_model_config(root):

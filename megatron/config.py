@@ -140,6 +140,28 @@ class PrecisionConfig:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
 
+def _one_of(values):
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def batch_fit_hint(global_batch, micro_batch, data_parallel_size):
+    """What satisfies global = micro x accumulation x DP, near the values given: the two global batches that
+    fit this micro batch, and (when DP divides the global batch) up to two micro batch sizes either side of
+    this one that divide global / DP. For 8, 3, 1: 'use a global batch of 6 or 9, or a micro batch size of
+    1, 2, 4 or 8'."""
+    per_step = micro_batch * data_parallel_size
+    lower = global_batch // per_step * per_step
+    hint = f"use a global batch of {_one_of([g for g in (lower, lower + per_step) if g > 0])}"
+    if global_batch % data_parallel_size == 0:
+        per_rank = global_batch // data_parallel_size
+        divisors = sorted({d for i in range(1, int(per_rank ** 0.5) + 1) if per_rank % i == 0
+                           for d in (i, per_rank // i)})
+        nearby = [d for d in divisors if d < micro_batch][-2:] + [d for d in divisors if d > micro_batch][:2]
+        hint += f", or a micro batch size of {_one_of(nearby)}"
+    return hint
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """Batch arithmetic and loop lengths: global = micro x grad accumulation x DP."""
@@ -166,7 +188,7 @@ class TrainingConfig:
             raise ValueError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
-                f"use a multiple of {per_step}")
+                + batch_fit_hint(self.global_batch_size, self.micro_batch_size, self.data_parallel_size))
         if self.partition_activations and not self.checkpoint_activations:
             raise ValueError("--partition-activations splits the activations that --checkpoint-activations keeps "
                              "across tensor-parallel ranks; add --checkpoint-activations")
@@ -202,6 +224,7 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     metrics_file: Optional[str] = None
     peak_tflops: Optional[float] = None
+    log_level: str = "info"
 
 
 @dataclass(frozen=True)

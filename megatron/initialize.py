@@ -1,9 +1,18 @@
-"""Process start-up: logging, torch.distributed through DeepSpeed (NCCL on GPU, gloo on CPU), groups, seeds."""
+"""Process start-up: logging, torch.distributed through DeepSpeed (NCCL on GPU, gloo on CPU), groups, seeds.
+
+Output policy: our own log lines on rank 0; an error once per job (the first local rank prints, the others exit
+with the same code silently); DeepSpeed's logs, stdout prints and known warnings only with --log-level debug.
+"""
+import contextlib
 import datetime
+import io
 import logging
 import os
+import signal
 import socket
 import sys
+import time
+import warnings
 
 import torch
 
@@ -13,13 +22,90 @@ from megatron.core.tensor_parallel import model_parallel_manual_seed
 logger = logging.getLogger("megatron")
 
 
-def setup_logging(rank=None):
-    """INFO on global rank 0, WARNING elsewhere; one format for every module under `megatron`."""
+# Warnings raised inside DeepSpeed's own calls that a user can do nothing about (shown with --log-level debug).
+KNOWN_WARNINGS = (
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),  # ZeRO's all_gather_into_tensor, torch >= 2.13
+)
+_SILENT_RANK_GRACE_S = 30  # how long a silent rank waits for the launcher to stop it after the reporting rank
+
+
+def is_first_local_rank():
+    """True on the process that reports for its host: LOCAL_RANK (else RANK) is 0 or unset."""
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    return rank.strip() in ("", "0")
+
+
+def exit_before_distributed(message, code):
+    """Ends the process with `code` before torch.distributed is up, the message printed once per host.
+
+    The first local rank prints `message` (one line) and exits; the other ranks exit with the same code
+    without a word, after a grace period: launchers (deepspeed, torchrun) stop the whole job at the first
+    failed process, so a silent rank must not end first and have the reporting one killed mid-print.
+    """
+    if is_first_local_rank():
+        logger.error("%s", message)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stopped by the launcher (or Ctrl-C): same code, no word
+            signal.signal(sig, lambda signum, frame: os._exit(code))
+        time.sleep(_SILENT_RANK_GRACE_S)
+    sys.exit(code)
+
+
+class _BelowLevel(logging.Filter):
+    """Drops DeepSpeed's records below a level; a filter survives DeepSpeed resetting its logger's level."""
+
+    def __init__(self, level):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record):
+        return record.levelno >= self.level
+
+
+def setup_logging(rank=None, log_level="info"):
+    """Our logger: log_level on global rank 0, WARNING elsewhere, one format for every module under `megatron`.
+
+    DeepSpeed (its `DeepSpeed` logger, its stdout prints inside deepspeed_output(), KNOWN_WARNINGS): errors
+    only, unless log_level is "debug", which shows all of it. Safe to call again (main calls it before and
+    after reading --log-level).
+    """
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+    level = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}[log_level]
+    logging.basicConfig(level=level if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s] [rank {rank}] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_logger = logging.getLogger("DeepSpeed")
+    for old in [f for f in ds_logger.filters if isinstance(f, _BelowLevel)]:
+        ds_logger.removeFilter(old)
+    patterns = {pattern for _, pattern in KNOWN_WARNINGS}
+    warnings.filters[:] = [f for f in warnings.filters if f[1] is None or f[1].pattern not in patterns]
+    if log_level == "debug":
+        import deepspeed.utils.logging as ds_logging  # creating the logger sets its level: import first
+        ds_logging.set_log_level_from_string("debug")
+        return
+    ds_logger.addFilter(_BelowLevel(logging.ERROR))
+    for category, pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+
+
+def _deepspeed_quiet():
+    return any(isinstance(f, _BelowLevel) for f in logging.getLogger("DeepSpeed").filters)
+
+
+@contextlib.contextmanager
+def deepspeed_output():
+    """Holds back what DeepSpeed print()s to stdout inside the block (op builds, the pipeline topology, the
+    bf16 optimizer's memory dumps) unless --log-level debug; if the block raises, the held text goes to stderr."""
+    if not _deepspeed_quiet():
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
 
 
 def _single_process_env():
@@ -42,13 +128,42 @@ def initialize_distributed(parallel):
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
-    deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False, timeout=timeout)
+    with deepspeed_output():
+        deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
+                                   timeout=timeout)
+    _unlink_shm_buffer_once_mapped()
     state = parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
                                                      parallel.pipeline_model_parallel_size, timeout=timeout)
     logger.info("world %d = TP %d x PP %d x DP %d, backend %s", state.world_size,
                 state.tensor_model_parallel_size, state.pipeline_model_parallel_size, state.data_parallel_size,
                 parallel.distributed_backend)
     return state
+
+
+def shm_buffer_path(rank=None):
+    """The shared-memory file DeepSpeed's CPU all-reduce op makes for a rank when every rank is on this host
+    (LOCAL_SIZE == world size; deepspeed/ops/csrc/cpu/comm/shm.cpp, shm_initialize):
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, 66 MB, never unlinked there."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def remove_shm_buffer():
+    """Unlinks this process's DeepSpeed shared-memory buffer, if it is still there (idempotent)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(shm_buffer_path())
+
+
+def _unlink_shm_buffer_once_mapped():
+    """Every rank maps every other rank's buffer inside init_distributed; after a barrier no rank opens one
+    again, so each unlinks its own name right away. The mappings live on until the processes end, and no way
+    of ending (a crash, a kill by the launcher) can leave a file in /dev/shm."""
+    from deepspeed import comm
+    if getattr(getattr(comm.comm, "cdb", None), "shm_comm_op", None) is None:  # the same on every rank
+        return
+    torch.distributed.barrier()
+    remove_shm_buffer()
 
 
 def shutdown_distributed():
@@ -58,6 +173,7 @@ def shutdown_distributed():
     ("terminate called without an active exception") after its work is done. Not called on error paths:
     destroying groups while another rank still waits in a collective can hang.
     """
+    remove_shm_buffer()
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -69,6 +185,7 @@ def exit_after_error(message, code):
     Skips interpreter finalization (os._exit after flushing), so live gloo work cannot turn the chosen
     exit code into SIGABRT, and skips destroying groups another rank may still be waiting on.
     """
+    remove_shm_buffer()
     logger.error("%s", message)
     logging.shutdown()
     sys.stdout.flush()

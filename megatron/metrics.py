@@ -1,7 +1,8 @@
-"""Model FLOPs (Megatron paper eq. 3), the measured GEMM peak for MFU, and the per-iteration log line."""
+"""Model FLOPs (Megatron paper eq. 3), the measured GEMM peak for MFU, peak memory, and the per-iteration log line."""
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def model_flops_per_iteration(batch_size, seq_length, num_layers, hidden_size, vocab_size,
@@ -38,8 +39,23 @@ def measure_matmul_tflops(device, dtype=None, size=None, iters=None):
     return 2 * size ** 3 * iters / (time.perf_counter() - start) / 1e12
 
 
+def peak_memory_gib():
+    """{"peak_allocated_gib", "peak_reserved_gib"}: torch.cuda.max_memory_allocated/reserved of this process's
+    GPU since start, the largest over all ranks (pipeline stages differ); {} without CUDA. Collective when
+    torch.distributed is up: every rank calls it."""
+    if not torch.cuda.is_available():
+        return {}
+    peaks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+                         dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()))
+    if dist.is_initialized():
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    allocated, reserved = (peaks / 2 ** 30).tolist()
+    return {"peak_allocated_gib": allocated, "peak_reserved_gib": reserved}
+
+
 def format_log_line(m):
-    """One dense line from a dict of iteration metrics (keys as below; absent optional ones are left out)."""
+    """One dense line from a dict of iteration metrics (keys as below; absent optional ones are left out:
+    loss scale, grad norm, TFLOP/s and MFU (None on CPU, where they mean nothing), peak memory (CUDA only))."""
     parts = [
         f"iteration {m['iteration']:8d}/{m['train_iters']:8d}",
         f"consumed samples: {m['consumed_samples']:12d}",
@@ -58,8 +74,12 @@ def format_log_line(m):
         f"number of nan iterations: {m['nan_iterations']:3d}",
         f"samples per second: {m['samples_per_second']:.3f}",
         f"tokens per second: {m['tokens_per_second']:.1f}",
-        f"TFLOP/s per GPU: {m['tflops']:.2f}",
     ]
+    if m.get("tflops") is not None:
+        parts.append(f"TFLOP/s per GPU: {m['tflops']:.2f}")
     if m.get("mfu") is not None:
         parts.append(f"MFU: {100 * m['mfu']:.1f}%")
+    if m.get("peak_allocated_gib") is not None:
+        parts.append(f"peak allocated (GiB): {m['peak_allocated_gib']:.2f}")
+        parts.append(f"peak reserved (GiB): {m['peak_reserved_gib']:.2f}")
     return " | ".join(parts) + " |"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron import checkpointing
 from megatron.core import parallel_state
 from megatron.fault_injection import TestFaults
-from megatron.metrics import format_log_line, measure_matmul_tflops, model_flops_per_iteration
+from megatron.metrics import format_log_line, measure_matmul_tflops, model_flops_per_iteration, peak_memory_gib
 from megatron.optimizer import AnnealingLR, build_optimizer, get_param_groups
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def build_model(config, state):
     topology = PipeModelDataParallelTopology(num_pp=state.pipeline_model_parallel_size,
                                              num_mp=state.tensor_model_parallel_size,
                                              num_dp=state.data_parallel_size)
-    return build_pipeline_model(config.model, topology, config.training.checkpoint_activations)
+    with torch.no_grad():  # PipelineModule broadcasts the tied embedding; with grad on, torch warns at backward
+        return build_pipeline_model(config.model, topology, config.training.checkpoint_activations)
 
 
 def setup_engine(config, ds_config, state):
@@ -393,7 +394,8 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
             elapsed = time.perf_counter() - window_start
             n = iteration % config.logging.log_interval or config.logging.log_interval
             per_iter = elapsed / n
-            tflops = flops / per_iter / state.world_size / 1e12
+            # per GPU; without CUDA (tests, the quickstart on a laptop) a TFLOP/s figure means nothing: left out
+            tflops = flops / per_iter / state.world_size / 1e12 if torch.cuda.is_available() else None
             metrics = dict(
                 iteration=iteration, train_iters=training.train_iters, consumed_samples=consumed,
                 consumed_tokens=consumed * config.model.seq_length, ms_per_iteration=1000 * per_iter,
@@ -402,7 +404,7 @@ def pretrain(config, engine, scheduler, datasets, tokenizer=None, start=None, st
                 loss_scale=_loss_scale(engine), grad_norm=guard.grad_norm(),
                 skipped_iterations=int(getattr(engine, "skipped_steps", 0)), nan_iterations=nan_total,
                 samples_per_second=training.global_batch_size / per_iter, tokens_per_second=tokens_per_iter / per_iter,
-                tflops=tflops, mfu=tflops / peak if peak else None)
+                tflops=tflops, mfu=tflops / peak if peak and tflops is not None else None, **peak_memory_gib())
             logger.info(format_log_line(metrics))
             writer.write("train", metrics)
             window_loss, window_iters, window_start = 0.0, 0, time.perf_counter()

@@ -26,16 +26,20 @@ def env(extra=None):
 
 
 def _cleanup_shm(port):
-    """Removes the shared-memory buffers of the job on `port` only: other jobs may be starting right now."""
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+    """Removes the shared-memory buffers the job on `port` left (none, since pretrain_bloom unlinks its own;
+    other jobs may be starting right now) and returns their paths."""
+    left = sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"))
+    for path in left:
         try:
             os.remove(path)
         except OSError:
             pass
+    return left
 
 
 def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True):
-    """`deepspeed --num_gpus nproc pretrain_bloom.py args` (plain python for one process)."""
+    """`deepspeed --num_gpus nproc pretrain_bloom.py args` (plain python for one process). The result's
+    `shm_left` lists the /dev/shm buffers the job left behind (removed here)."""
     port = _free_port()
     if nproc == 1:
         cmd = [PYTHON, str(ROOT / "pretrain_bloom.py")] + list(args)
@@ -46,7 +50,8 @@ def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True):
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     finally:
-        _cleanup_shm(port)
+        shm_left = _cleanup_shm(port)
+    proc.shm_left = shm_left
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

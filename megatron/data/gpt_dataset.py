@@ -20,7 +20,7 @@ import torch
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_utils import get_datasets_weights_and_num_samples, get_train_valid_test_split_
 from megatron.data.helpers import build_sample_idx
-from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+from megatron.data.indexed_dataset import MMapIndexedDataset
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,7 @@ def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test
 
 
 def _build_single(path_prefix, splits_string, num_samples, seq_length, seed, cache_dir):
-    for path in (index_file_path(path_prefix), data_file_path(path_prefix)):
-        if not os.path.isfile(path):
-            raise ValueError(f"--data-path {path_prefix}: {path} does not exist; pass the output prefix of "
-                             "tools/preprocess_data.py without .bin/.idx (e.g. c4_en_text_document)")
-    indexed = MMapIndexedDataset(path_prefix)
+    indexed = MMapIndexedDataset(path_prefix)  # IndexedDatasetError names the file and the fix
     total_docs = len(indexed.doc_idx) - 1
     bounds = get_train_valid_test_split_(splits_string, total_docs)
     logger.info("%s: %d documents, split %s -> train [%d, %d) valid [%d, %d) test [%d, %d)", path_prefix,

@@ -80,46 +80,103 @@ def write_index(idx_path, dtype, sizes, doc_idx):
         f.write(doc_idx.astype("<i8", copy=False).tobytes(order="C"))
 
 
+class IndexedDatasetError(ValueError):
+    """A .bin/.idx pair that is missing, truncated or corrupt; the message names the file and the fix."""
+
+
+_HEADER_BYTES = len(_HDR_MAGIC) + 8 + 1 + 8 + 8
+
+
+def _rebuild_hint(prefix):
+    return f"re-run tools/preprocess_data.py to rebuild {prefix}.bin/.idx"
+
+
 class _Index:
-    """The parsed .idx, its arrays viewed straight from a memory map."""
+    """The parsed .idx, its arrays viewed straight from a memory map.
+
+    Opening checks the header and that the file holds exactly the arrays the header describes, so a
+    truncated or foreign file fails here with one line naming it, not later deep inside numpy.
+    """
 
     def __init__(self, path):
+        prefix = path[:-len(".idx")] if path.endswith(".idx") else path
+        file_size = os.path.getsize(path)
         with open(path, "rb") as f:
-            magic = f.read(9)
-            if magic != _HDR_MAGIC:
-                raise ValueError(f"{path} is not an MMIDIDX index (header {magic!r}); make it with "
-                                 "tools/preprocess_data.py --dataset-impl mmap")
-            (version,) = struct.unpack("<Q", f.read(8))
-            if version != _VERSION:
-                raise ValueError(f"{path}: index version {version} is not supported (only {_VERSION})")
-            (code,) = struct.unpack("<B", f.read(1))
-            if code not in DTYPES:
-                raise ValueError(f"{path}: unknown dtype code {code}")
-            self.dtype = np.dtype(DTYPES[code])
-            (self._len,) = struct.unpack("<Q", f.read(8))
-            (self._doc_count,) = struct.unpack("<Q", f.read(8))
-            offset = f.tell()
+            header = f.read(_HEADER_BYTES)
+        magic = header[:len(_HDR_MAGIC)]
+        if magic != _HDR_MAGIC[:len(magic)]:
+            raise IndexedDatasetError(f"{path} is not an MMIDIDX index (it starts with {magic!r}, not "
+                                      f"{_HDR_MAGIC!r}); {_rebuild_hint(prefix)}")
+        if len(header) < _HEADER_BYTES:
+            raise IndexedDatasetError(f"{path} is truncated: {file_size} bytes, shorter than the "
+                                      f"{_HEADER_BYTES}-byte MMIDIDX header; {_rebuild_hint(prefix)}")
+        version, code, self._len, self._doc_count = struct.unpack("<QBQQ", header[len(_HDR_MAGIC):])
+        if version != _VERSION:
+            raise IndexedDatasetError(f"{path}: index version {version} is not supported (only {_VERSION}); "
+                                      f"{_rebuild_hint(prefix)}")
+        if code not in DTYPES:
+            raise IndexedDatasetError(f"{path}: unknown dtype code {code} (known: {sorted(DTYPES)}); "
+                                      f"{_rebuild_hint(prefix)}")
+        self.dtype = np.dtype(DTYPES[code])
+        expected = _HEADER_BYTES + 12 * self._len + 8 * self._doc_count  # sizes int32, pointers and doc_idx int64
+        described = f"its header describes {self._len} sequences in {max(self._doc_count - 1, 0)} documents " \
+                    f"({expected} bytes)"
+        if file_size < expected:
+            raise IndexedDatasetError(f"{path} is truncated: {file_size} bytes, but {described}; "
+                                      f"{_rebuild_hint(prefix)}")
+        if file_size > expected:
+            raise IndexedDatasetError(f"{path} is corrupt: {file_size} bytes, but {described}; "
+                                      f"{_rebuild_hint(prefix)}")
         self._mmap = np.memmap(path, mode="r", order="C")
+        offset = _HEADER_BYTES
         self.sizes = np.frombuffer(self._mmap, dtype=np.int32, count=self._len, offset=offset)
         offset += self.sizes.nbytes
         self.pointers = np.frombuffer(self._mmap, dtype=np.int64, count=self._len, offset=offset)
         offset += self.pointers.nbytes
         self.doc_idx = np.frombuffer(self._mmap, dtype=np.int64, count=self._doc_count, offset=offset)
+        if self._doc_count == 0:
+            raise IndexedDatasetError(f"{path} is corrupt: its document index is empty (it holds at least the "
+                                      f"offset 0); {_rebuild_hint(prefix)}")
+        if self.doc_idx[-1] > self._len:  # reads would run past the sequences
+            raise IndexedDatasetError(f"{path} is corrupt: its last document ends at sequence {self.doc_idx[-1]}, "
+                                      f"but it holds {self._len} sequences; {_rebuild_hint(prefix)}")
 
     def __len__(self):
         return self._len
 
+    def data_bytes(self):
+        """Size the .bin must have: where the last sequence ends."""
+        if self._len == 0:
+            return 0
+        return int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+
+
+def _open_index(path_prefix, flag="--data-path"):
+    """The checked _Index of a .bin/.idx pair, after checking the .bin's size against it."""
+    idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise IndexedDatasetError(f"{flag} {path_prefix}: {path} does not exist; pass the output prefix of "
+                                      "tools/preprocess_data.py without .bin/.idx (e.g. c4_en_text_document)")
+    index = _Index(idx_path)
+    expected, actual = index.data_bytes(), os.path.getsize(bin_path)
+    if actual != expected:
+        state = "is truncated" if actual < expected else "does not match its index"
+        raise IndexedDatasetError(
+            f"{bin_path} {state}: {actual} bytes, but {idx_path} describes {len(index)} sequences of "
+            f"{index.dtype.name} ending at byte {expected}; {_rebuild_hint(path_prefix)}")
+    return index
+
 
 class MMapIndexedDataset:
-    """Reads a .bin/.idx pair without copying: item i is the i-th sequence as a view into the memory map."""
+    """Reads a .bin/.idx pair without copying: item i is the i-th sequence as a view into the memory map.
+
+    Raises IndexedDatasetError (a ValueError) when a file is missing, truncated or does not match the other.
+    """
 
     def __init__(self, path_prefix):
         self._path_prefix = path_prefix
-        for path in (index_file_path(path_prefix), data_file_path(path_prefix)):
-            if not os.path.isfile(path):
-                raise ValueError(f"--data-path {path_prefix}: {path} does not exist; pass the prefix "
-                                 "written by tools/preprocess_data.py (without .bin/.idx)")
-        self._index = _Index(index_file_path(path_prefix))
+        self._index = _open_index(path_prefix)
         self._document_sizes = None
         if os.path.getsize(data_file_path(path_prefix)) == 0:
             self._bin_buffer = np.zeros(0, dtype=np.uint8)
@@ -235,7 +292,7 @@ class MMapIndexedDatasetBuilder:
 
     def merge_file_(self, another_file):
         """Appends the sequences and documents of the dataset at prefix another_file."""
-        index = _Index(index_file_path(another_file))
+        index = _open_index(another_file, flag="--input")
         if index.dtype != self._dtype:
             raise ValueError(f"cannot merge {another_file} (dtype {index.dtype}) into a {self._dtype} dataset; "
                              "preprocess both with the same tokenizer")

@@ -4,6 +4,8 @@
     kv_cache.py   StaticKVCache: the slots x positions cache and its attention
     sampling.py   SamplingParams, per-row greedy/temperature/top-k/top-p sampling with hashed seeds
     reference.py  the eager path with a growing cache (the engine is tested against it and against HF)
+    api.py        the server's request validation, streamed text deltas and response objects (pure)
+    server.py     the HTTP server: OpenAI completions + Megatron's PUT /api over one engine thread
 """
 from megatron.inference.engine import InferenceEngine, Request
 from megatron.inference.kv_cache import StaticKVCache

@@ -336,6 +336,7 @@ class InferenceEngine:
         heapq.heappush(self._free, request.slot)
         request.slot = None
 
+    @torch.no_grad()
     def warmup(self, batch_sizes=None, kv_lengths=None):
         """Captures the decode graphs of the given buckets now (default: every batch bucket, the first kv bucket)."""
         if not self.cuda_graphs:

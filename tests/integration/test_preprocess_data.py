@@ -209,3 +209,23 @@ def test_normalisation_options_and_several_keys(tmp_path, tokenizer):
     assert MMapIndexedDataset(str(tmp_path / "raw_title_document"))[0].tolist() == tokenizer.tokenize("A Title")
     assert _run(data, tmp_path / "norm", "--normalize", "nfkc", "--remove-control-chars", "--lowercase") == 0
     assert _documents(tmp_path / "norm")[1] == [tokenizer.tokenize("fine fish\nnext line")]
+
+
+def test_truncated_bin_stops_pretrain_bloom_with_one_line(tmp_path, texts):
+    """pretrain_bloom.py (one process) on a .bin cut short: exit code 1, one line naming the file and the fix."""
+    from tests.launch import TINY_MODEL, run_pretrain
+    assert _run(_jsonl(tmp_path / "c4.jsonl", [{"text": t} for t in texts[:20]]), tmp_path / "c4", "--append-eod") == 0
+    prefix = str(tmp_path / "c4_text_document")
+    full = os.path.getsize(prefix + ".bin")
+    assert full == 2 * int(MMapIndexedDataset(prefix).sizes.sum())
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(full - 100)
+    proc = run_pretrain(TINY_MODEL + ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--deepspeed",
+                                      "--data-path", prefix, "--vocab-file", VOCAB, "--merge-file", MERGES],
+                        check=False, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "Traceback" not in output
+    assert [line.split(" ERROR megatron: ")[-1] for line in output.splitlines() if prefix in line] == [
+        f"{prefix}.bin is truncated: {full - 100} bytes, but {prefix}.idx describes 20 sequences of uint16 ending "
+        f"at byte {full}; re-run tools/preprocess_data.py to rebuild {prefix}.bin/.idx"]

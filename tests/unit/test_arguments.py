@@ -1,6 +1,8 @@
 """Configuration errors stop the run before any work, with a message naming the flags, values and fix."""
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -81,7 +83,7 @@ def test_flags_alone_configure_deepspeed(doc_args, monkeypatch):
 CASES = [
     ("global batch", 16, ["--batch-size", "12"],
      "--global-batch-size 12 is not divisible by --micro-batch-size 4 x data-parallel size 2 = 8; "
-     "use a multiple of 8"),
+     "use a global batch of 8 or 16, or a micro batch size of 2, 3 or 6"),
     ("heads", 8, ["--num-attention-heads", "4"],
      "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8; "
      "choose a TP size that divides the head count"),
@@ -150,3 +152,201 @@ def test_partition_activations_needs_checkpointing(doc_args, monkeypatch, tmp_pa
                               "across tensor-parallel ranks; add --checkpoint-activations")
     config, ds_dict, _ = resolve(args + ["--checkpoint-activations"], 8, monkeypatch)
     assert ds_dict["activation_checkpointing"]["partition_activations"] is True
+
+
+# The keys of BLOOM's published ds_config that are not DeepSpeed's but name our flags, and those flags.
+DOC_JSON_FLAG_KEYS = {"lr": 6e-5, "min_lr": 1e-6, "lr_decay_style": "cosine", "warmup_iters": 500,
+                      "weight_decay": 0.1, "clip_grad": 0.5, "micro_batch_size": 4, "log_interval": 10,
+                      "save_interval": 1000}
+DOC_FLAGS_OF_KEYS = ["--lr", "--min-lr", "--lr-decay-style", "--warmup", "--weight-decay", "--clip-grad",
+                     "--micro-batch-size", "--log-interval", "--save-interval"]
+
+
+def without(args, *flags):
+    out = list(args)
+    for flag in flags:
+        i = out.index(flag)
+        del out[i:i + 2]
+    return out
+
+
+def with_json(args, tmp_path, content):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps(content))
+    return replace(args, "--deepspeed_config", str(ds)), str(ds)
+
+
+def test_document_json_keys_act_as_the_flags_they_name(doc_args, monkeypatch, tmp_path, caplog):
+    args, ds = with_json(without(doc_args, *DOC_FLAGS_OF_KEYS), tmp_path,
+                         {"train_batch_size": 8, "bf16": {"enabled": True}, **DOC_JSON_FLAG_KEYS})
+    with caplog.at_level(logging.INFO, logger="megatron"):
+        config, ds_dict, _ = resolve(args, 8, monkeypatch)
+    opt = config.optimizer
+    assert (opt.lr, opt.min_lr, opt.lr_decay_style, opt.lr_warmup_iters, opt.weight_decay, opt.clip_grad) == \
+        (6e-5, 1e-6, "cosine", 500, 0.1, 0.5)
+    assert (config.training.micro_batch_size, config.training.gradient_accumulation_steps,
+            config.logging.log_interval, config.checkpoint.save_interval) == (4, 2, 10, 1000)
+    assert (ds_dict["gradient_clipping"], ds_dict["train_micro_batch_size_per_gpu"]) == (0.5, 4)
+    assert not set(DOC_JSON_FLAG_KEYS) & set(ds_dict)  # DeepSpeed gets its own keys only
+    assert [r.getMessage() for r in caplog.records if r.name == "megatron.deepspeed_config"] == [
+        f"DeepSpeed config {ds} sets --lr 6e-05, --min-lr 1e-06, --lr-decay-style cosine, --lr-warmup-iters 500.0, "
+        "--weight-decay 0.1, --clip-grad 0.5, --micro-batch-size 4, --log-interval 10, --save-interval 1000"]
+
+
+@pytest.mark.parametrize("key,value,flag,flag_value,shown", [
+    ("lr", 6e-5, "--lr", "6e-4", "--lr 0.0006"),
+    ("weight_decay", 0.1, "--weight-decay", "0.01", "--weight-decay 0.01"),  # explicit, though the default
+    ("lr_decay_style", "linear", "--lr-decay-style", "cosine", "--lr-decay-style cosine"),
+    ("warmup_iters", 100, "--warmup", "500", "--lr-warmup-iters 500.0"),
+], ids=["lr", "explicit-default", "choice", "alias"])
+def test_json_key_contradicting_an_explicit_flag_stops(doc_args, monkeypatch, tmp_path, key, value, flag,
+                                                       flag_value, shown):
+    args, _ = with_json(replace(doc_args, flag, flag_value), tmp_path, {key: value})
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == (f"DeepSpeed config {key}={json.dumps(value)} contradicts {shown}; make them equal "
+                              "or drop the key from the JSON")
+
+
+def test_json_key_equal_to_the_flag_and_defaulted_flags(doc_args, monkeypatch, tmp_path):
+    args, _ = with_json(doc_args, tmp_path, {"lr": 6e-5, "min_lr": 1e-6, "seed": 7, "hidden_dropout": 0.1})
+    config, _, _ = resolve(args, 8, monkeypatch)
+    assert (config.optimizer.lr, config.training.seed, config.model.hidden_dropout) == (6e-5, 7, 0.1)
+
+
+def test_unknown_json_keys_warned_once_by_name(doc_args, monkeypatch, tmp_path, caplog):
+    args, ds = with_json(doc_args, tmp_path, {"gradient_cliping": 1.0, "foo_bar": 2, "steps_per_print": 10})
+    with caplog.at_level(logging.WARNING, logger="megatron"):
+        resolve(args, 8, monkeypatch)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"DeepSpeed config {ds}: key gradient_cliping is neither DeepSpeed's nor a flag's; ignored "
+        "(did you mean gradient_clipping?)",
+        f"DeepSpeed config {ds}: key foo_bar is neither DeepSpeed's nor a flag's; ignored"]
+
+
+def test_deepspeed_keys_come_from_deepspeed():
+    from megatron.deepspeed_config import deepspeed_keys
+    keys = deepspeed_keys()
+    assert {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
+            "zero_optimization", "optimizer", "scheduler", "gradient_clipping", "activation_checkpointing",
+            "tensorboard", "wandb", "flops_profiler", "steps_per_print", "wall_clock_breakdown", "autotuning",
+            "data_types", "comms_logger", "pipeline"} <= keys
+    assert not set(DOC_JSON_FLAG_KEYS) & keys
+
+
+@pytest.mark.parametrize("content,message", [
+    ({"lr": "fast"}, 'DeepSpeed config lr="fast" is not a valid --lr: expected a number; fix the value or drop '
+                     "the key"),
+    ({"lr_decay_style": "exp"}, 'DeepSpeed config lr_decay_style="exp" is not a valid --lr-decay-style: expected '
+                                "one of constant, linear, cosine; fix the value or drop the key"),
+    ({"log_interval": 2.5}, "DeepSpeed config log_interval=2.5 is not a valid --log-interval: expected an integer; "
+                            "fix the value or drop the key"),
+    ({"warmup": 10, "warmup_iters": 20}, "DeepSpeed config warmup_iters=20 contradicts its warmup=10 (both set "
+                                         "--lr-warmup-iters); keep one"),
+], ids=["type", "choice", "integer", "two-keys"])
+def test_bad_json_flag_values(doc_args, monkeypatch, tmp_path, content, message):
+    args, _ = with_json(without(doc_args, "--lr", "--lr-decay-style", "--log-interval", "--warmup"), tmp_path,
+                        content)
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == message
+
+
+def test_removed_deepspeed_section_stops_before_launching_anything(doc_args, monkeypatch, tmp_path):
+    from megatron.deepspeed_config import removed_deepspeed_keys
+    args, ds = with_json(doc_args, tmp_path, {"elasticity": {"enabled": True}})
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == f"--deepspeed_config {ds}: {removed_deepspeed_keys()['elasticity']}"
+
+
+def test_required_flags_from_the_command_line_or_the_json(doc_args, monkeypatch, tmp_path):
+    args, _ = with_json(without(doc_args, "--lr", "--micro-batch-size"), tmp_path, {"bf16": {"enabled": True}})
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == ("missing required flags: --micro-batch-size, --lr; pass them on the command line "
+                              "(or as micro_batch_size, lr in the --deepspeed_config JSON)")
+    args, _ = with_json(args, tmp_path, {"lr": 1e-4, "train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ValueError, match="^missing required flags: --micro-batch-size;"):
+        resolve(args, 8, monkeypatch)  # DeepSpeed's own micro batch key does not stand in for the flag
+    args, _ = with_json(args, tmp_path, {"lr": 1e-4, "micro_batch_size": 4})
+    config, _, _ = resolve(args, 8, monkeypatch)
+    assert (config.optimizer.lr, config.training.micro_batch_size) == (1e-4, 4)
+
+
+# Global batch 8 with micro batch 3 on one data-parallel rank: 8 is not divisible by 3; what fits is 6 or 9,
+# or a micro batch of 1, 2, 4 or 8. No gradient_accumulation_steps can fix it.
+FIT_8_3 = "use a global batch of 6 or 9, or a micro batch size of 1, 2, 4 or 8"
+BATCH_CASES = [
+    ("json total and accumulation", [], {"train_batch_size": 8, "gradient_accumulation_steps": 2},
+     "DeepSpeed config gradient_accumulation_steps 2 x --micro-batch-size 3 x data-parallel size 1 = 6 differs "
+     "from DeepSpeed config train_batch_size 8; 8 is not divisible by --micro-batch-size 3 x data-parallel size 1 "
+     f"= 3: {FIT_8_3}; then drop gradient_accumulation_steps (it follows from the two)"),
+    ("flag total, json accumulation", ["--batch-size", "8"], {"gradient_accumulation_steps": 2},
+     "DeepSpeed config gradient_accumulation_steps 2 x --micro-batch-size 3 x data-parallel size 1 = 6 differs "
+     "from --global-batch-size 8; 8 is not divisible by --micro-batch-size 3 x data-parallel size 1 = 3: "
+     f"{FIT_8_3}; then drop gradient_accumulation_steps (it follows from the two)"),
+    ("json total only", [], {"train_batch_size": 8},
+     f"DeepSpeed config train_batch_size 8 is not divisible by --micro-batch-size 3 x data-parallel size 1 = 3; "
+     f"{FIT_8_3}"),
+    ("flags only", ["--batch-size", "8"], {},
+     f"--global-batch-size 8 is not divisible by --micro-batch-size 3 x data-parallel size 1 = 3; {FIT_8_3}"),
+]
+
+
+@pytest.mark.parametrize("name,flags,content,message", BATCH_CASES, ids=[c[0] for c in BATCH_CASES])
+def test_indivisible_batch_says_what_fits(doc_args, monkeypatch, tmp_path, name, flags, content, message):
+    args, _ = with_json(replace(without(doc_args, "--batch-size"), "--micro-batch-size", "3") + flags, tmp_path,
+                        content)
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == message
+
+
+def test_divisible_batch_names_the_accumulation_that_fits(doc_args, monkeypatch, tmp_path):
+    args, _ = with_json(doc_args, tmp_path, {"gradient_accumulation_steps": 1})
+    with pytest.raises(ValueError) as err:
+        resolve(args, 8, monkeypatch)
+    assert str(err.value) == ("DeepSpeed config gradient_accumulation_steps 1 x --micro-batch-size 4 x data-parallel "
+                              "size 1 = 4 differs from --global-batch-size 8; set gradient_accumulation_steps to 2 "
+                              "or drop it")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--micro-batch-szie", "4"], "unrecognized arguments: --micro-batch-szie 4 (did you mean --micro-batch-size?)"),
+    (["--misspeled-flag"], "unrecognized arguments: --misspeled-flag"),
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+], ids=["close", "unknown", "type"])
+def test_bad_command_line_is_one_line_on_the_first_rank_only(monkeypatch, caplog, capsys, argv, message):
+    from megatron import initialize
+    from megatron.arguments import build_parser, parse_args
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_, caplog.at_level(logging.ERROR):
+        parse_args(argv)
+    assert exit_.value.code == 2
+    assert [r.getMessage() for r in caplog.records] == [f"{message}; see {build_parser().prog} --help"]
+    assert capsys.readouterr() == ("", "")  # no usage block
+    caplog.clear()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(initialize, "_SILENT_RANK_GRACE_S", 0)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert exit_.value.code == 2 and caplog.records == [] and capsys.readouterr() == ("", "")
+
+
+def test_help_printed_by_the_first_rank_only(monkeypatch, capsys):
+    from megatron.arguments import parse_args
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "--log-level {debug,info,warning}" in capsys.readouterr().out

@@ -1,15 +1,18 @@
-"""Checkpoint folders: manifest verification, fallback, stale .tmp folders, pruning, failed saves, --save checks."""
+"""Checkpoint folders: manifest verification, fallback, stale .tmp folders, pruning, failed saves, --save checks;
+the engine state (optimizer, LR schedule) saved without weights; the LR-schedule warning on resume."""
+import dataclasses
+import io
 import json
 import os
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from megatron import checkpointing
+from megatron import checkpointing, engine_state
 from megatron.checkpointing import CheckpointError, find_checkpoint, tag_for, verify_checkpoint
+from megatron.config import OptimizerConfig
 from megatron.core import parallel_state
 from megatron.fault_injection import Fault, TestFaults
 
@@ -97,13 +100,24 @@ def test_prune_keeps_the_new_checkpoint_and_leaves_newer_abandoned_ones(tmp_path
 
 
 class FakeEngine:
-    """The parts of a DeepSpeed engine that save_checkpoint touches: save_checkpoint and module."""
+    """What save_checkpoint and megatron.engine_state touch of a DeepSpeed engine without a ZeRO or fp16 wrapper:
+    the module, torch's optimizer itself (as DeepSpeed uses it in fp32 without ZeRO), the LR scheduler and the
+    step counters."""
 
-    def __init__(self):
+    def __init__(self, steps=0):
+        from megatron.optimizer import AnnealingLR
+        torch.manual_seed(0)
         self.module = nn.Linear(4, 4)
-
-    def save_checkpoint(self, root, tag, save_latest, exclude_frozen_parameters):
-        torch.save(self.module.state_dict(), os.path.join(root, tag, "mp_rank_00_model_states.pt"))
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
+        self.lr_scheduler = AnnealingLR(self.optimizer, 1e-3, 1e-4, 1, 10, "cosine")
+        self.global_steps = self.global_samples = self.skipped_steps = 0
+        for _ in range(steps):
+            self.module(torch.randn(2, 4)).sum().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += 2
 
 
 @pytest.fixture
@@ -155,14 +169,97 @@ def test_save_dir_checks_name_the_flag(tmp_path, monkeypatch):
         checkpointing.check_save_dir(str(a_file / "ckpt"), 1)
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**30))
     needed = checkpointing.checkpoint_bytes(176_000_000_000 // 64, "bf16")
-    with pytest.raises(ValueError, match=r"^--save .*: 1.00 GiB free, a checkpoint needs about 40.98 GiB"):
+    with pytest.raises(ValueError, match=r"^--save .*: 1.00 GiB free, a checkpoint needs about 35.86 GiB"):
         checkpointing.check_save_dir(str(tmp_path), needed)
 
 
 def test_checkpoint_bytes():
-    assert checkpointing.checkpoint_bytes(1000, "fp32") == 1000 * (2 * 4 + 8)
-    assert checkpointing.checkpoint_bytes(1000, "bf16") == 1000 * (2 * 2 + 12)
-    assert checkpointing.checkpoint_bytes(1000, "fp16", no_save_optim=True) == 1000 * 4
+    assert checkpointing.checkpoint_bytes(1000, "fp32") == 1000 * (4 + 8)
+    assert checkpointing.checkpoint_bytes(1000, "bf16") == 1000 * (2 + 4 + 8)
+    assert checkpointing.checkpoint_bytes(1000, "fp16", no_save_optim=True) == 1000 * 2
+
+
+def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, single_rank, monkeypatch):
+    monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
+    engine = FakeEngine(steps=2)
+    folder = checkpointing.save_checkpoint(engine, fake_config(tmp_path), 2, 16)
+    assert sorted(os.listdir(folder)) == ["config.json", "manifest.json", "meta.json", "model_tp00_pp000.pt",
+                                          "optimizer_tp00_pp000_dp00000.pt", "rng_rank00000.pt"]
+    saved = torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"), weights_only=False)
+    assert saved["optimizer_class"] == "AdamW" and saved["lr_scheduler"]["num_steps"] == 2
+    assert (saved["global_steps"], saved["global_samples"], saved["skipped_steps"]) == (2, 4, 0)
+    tensors = [t for s in saved["optimizer"]["state"].values() for t in s.values() if t.dim() > 0]
+    assert sum(t.numel() for t in tensors) == 2 * 20  # exp_avg and exp_avg_sq of 4x4 + 4 weights, no weights
+    meta = checkpointing.read_meta(folder)
+    assert meta["engine_state_version"] == engine_state.FORMAT and meta["deepspeed_state"] is True
+
+
+def test_engine_state_round_trip_into_a_fresh_engine(single_rank):
+    trained, fresh = FakeEngine(steps=3), FakeEngine()
+    buffer = io.BytesIO()  # through bytes, as through a file: no tensor shared with the trained engine
+    torch.save(engine_state.collect(trained, "fp32", dp_rank=0), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    assert engine_state.collect(trained, "fp32", dp_rank=1) is None  # replicated: DP rank 0's file serves
+    fresh.module.load_state_dict(trained.module.state_dict())
+    engine_state.restore(fresh, saved)
+    assert fresh.lr_scheduler.num_steps == 3 and fresh.optimizer.param_groups[0]["lr"] == \
+        trained.optimizer.param_groups[0]["lr"]
+    assert (fresh.global_steps, fresh.global_samples) == (3, 6)
+    for p, q in zip(trained.module.parameters(), fresh.module.parameters()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(trained.optimizer.state[p][key], fresh.optimizer.state[q][key])
+    x = torch.randn(2, 4)
+    for engine in (trained, fresh):  # the next step is the same step
+        engine.module(x).sum().backward()
+        engine.optimizer.step()
+    assert torch.equal(trained.module.weight, fresh.module.weight)
+    with pytest.raises(ValueError, match="written by DeepSpeed's BF16_Optimizer, this run uses AdamW"):
+        engine_state.restore(fresh, {**saved, "optimizer_class": "BF16_Optimizer"})
+
+
+def test_cut_and_paste_zeros_are_inverse():
+    flat = torch.arange(1.0, 13.0)
+    spans = [(0, 3), (5, 2), (11, 1)]
+    kept = engine_state._cut(flat, spans)
+    assert kept.tolist() == [4.0, 5.0, 8.0, 9.0, 10.0, 11.0]
+    assert engine_state._paste_zeros(kept, spans, 12).tolist() == [0, 0, 0, 4, 5, 0, 0, 8, 9, 10, 11, 0]
+    view = torch.zeros(100)[:10]
+    compact = engine_state._compact({"a": [view], "b": (torch.ones(3),)})
+    assert compact["a"][0].untyped_storage().nbytes() == 40 and isinstance(compact["b"], tuple)
+
+
+def schedule_config(train_iters=20, **optimizer):
+    values = dict(lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", lr_warmup_iters=0, lr_decay_iters=train_iters)
+    values.update(optimizer)
+    return SimpleNamespace(optimizer=OptimizerConfig(**values), training=SimpleNamespace(train_iters=train_iters))
+
+
+def saved_config(config):
+    return {"optimizer": dataclasses.asdict(config.optimizer), "training": {"train_iters": config.training.train_iters}}
+
+
+@pytest.mark.parametrize("now,expected", [
+    (schedule_config(20), None),
+    (schedule_config(40, lr_decay_iters=20), None),  # --lr-decay-iters fixed: a longer run, the same schedule
+    (schedule_config(40), "resume: --train-iters 20 -> 40 (checkpoint's value -> now): the cosine decay now ends "
+                          "at iteration 40; lr at iteration 20 is 5.01e-4 instead of 1e-6"),
+    (schedule_config(20, lr=2e-3), "resume: --lr 1e-3 -> 2e-3 (checkpoint's value -> now): lr at iteration 20 is "
+                                   "still 1e-6; later iterations differ"),
+    (schedule_config(20, lr_decay_style="linear", lr_warmup_iters=2, min_lr=0.0),
+     "resume: --min-lr 1e-6 -> 0, --lr-decay-style cosine -> linear, --lr-warmup-iters 0 -> 2 (checkpoint's value "
+     "-> now): the warmup now ends at iteration 2; the linear decay now ends at iteration 20; lr at iteration 20 is "
+     "0 instead of 1e-6"),
+    (schedule_config(20, lr_decay_iters=30), "resume: --lr-decay-iters 20 -> 30 (checkpoint's value -> now): the "
+                                             "cosine decay now ends at iteration 30; lr at iteration 20 is 2.51e-4 "
+                                             "instead of 1e-6"),
+    (schedule_config(20, lr_decay_style="constant"), "resume: --lr-decay-style cosine -> constant (checkpoint's "
+                                                     "value -> now): the lr is now constant after the warmup; lr at "
+                                                     "iteration 20 is 1e-3 instead of 1e-6"),
+], ids=["same", "longer-run-fixed-decay", "train-iters", "lr", "three-flags", "decay-iters", "constant"])
+def test_schedule_change_message(now, expected):
+    assert checkpointing.schedule_change_message(saved_config(schedule_config(20)), now, 20) == expected
+    assert checkpointing.schedule_change_message(None, now, 20) is None
 
 
 def test_fault_spec_parsing():
@@ -181,3 +278,28 @@ def test_fault_spec_parsing():
     with pytest.raises(RuntimeError, match="injected fault .* iteration 5, phase forward, rank 1"):
         TestFaults([TestFaults.parse_one("raise_at=5:rank=1")], rank=1).fire(5, "forward")
     TestFaults([TestFaults.parse_one("raise_at=5:rank=1")], rank=0).fire(5, "forward")  # another rank: nothing
+
+
+def test_weights_load_into_another_pipeline_size_and_a_tp_change_names_the_reshard(tmp_path, single_rank):
+    """A PP 2 checkpoint loads into a PP 1 model (every stage's file is read); TP 2 into TP 1 is refused with the
+    command that reshards it."""
+    from megatron.checkpoint_tools import write_megatron_checkpoint
+    from megatron.config import ModelConfig
+    from megatron.model import BloomModel
+    config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=16)
+    torch.manual_seed(1)
+    weights = BloomModel(config).state_dict()
+    pp2 = write_megatron_checkpoint(str(tmp_path / "pp2"), weights, config, tp=1, pp=2, iteration=4)
+    assert sorted(n for n in os.listdir(pp2) if n.startswith("model_")) == ["model_tp00_pp000.pt",
+                                                                           "model_tp00_pp001.pt"]
+    model = BloomModel(config)
+    checkpointing.load_model_weights(model, pp2, config.num_layers)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    tp2 = write_megatron_checkpoint(str(tmp_path / "tp2"), weights, config, tp=2, pp=1, iteration=4)
+    with pytest.raises(CheckpointError, match=r"^--load .*tp2/iter_0000004: saved with --tensor-model-parallel-size "
+                                              r"2, this run has 1; reshard it first: python tools/merge_mp_partitions"
+                                              r".py --model-path .* --output-format megatron "
+                                              r"--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 "
+                                              r"--output-path NEW_FOLDER, then --load NEW_FOLDER$"):
+        checkpointing.load_model_weights(BloomModel(config), tp2, config.num_layers)

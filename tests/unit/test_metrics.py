@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron.metrics import format_log_line, model_flops_per_iteration
+from megatron.metrics import format_log_line, model_flops_per_iteration, peak_memory_gib
 from megatron.optimizer import AnnealingLR, get_param_groups
 
 
@@ -23,18 +23,42 @@ def test_log_line():
     line = format_log_line(dict(
         iteration=10, train_iters=100, consumed_samples=320, consumed_tokens=655360, ms_per_iteration=1234.5,
         lr=6e-5, global_batch_size=32, lm_loss=7.25, loss_scale=65536.0, grad_norm=1.5, skipped_iterations=1,
-        nan_iterations=0, samples_per_second=25.92, tokens_per_second=53084.2, tflops=421.3, mfu=0.532))
+        nan_iterations=0, samples_per_second=25.92, tokens_per_second=53084.2, tflops=421.3, mfu=0.532,
+        peak_allocated_gib=42.7049, peak_reserved_gib=48.0))
     assert line == (
         "iteration       10/     100 | consumed samples:          320 | consumed tokens:         655360 | "
         "elapsed time per iteration (ms): 1234.5 | learning rate: 6.000E-05 | global batch size:    32 | "
         "lm loss: 7.250000E+00 | loss scale: 65536.0 | grad norm: 1.500 | number of skipped iterations:   1 | "
         "number of nan iterations:   0 | samples per second: 25.920 | tokens per second: 53084.2 | "
-        "TFLOP/s per GPU: 421.30 | MFU: 53.2% |")
-    short = format_log_line(dict(
+        "TFLOP/s per GPU: 421.30 | MFU: 53.2% | peak allocated (GiB): 42.70 | peak reserved (GiB): 48.00 |")
+
+
+def test_log_line_on_cpu_has_no_tflops_mfu_or_gpu_memory():
+    line = format_log_line(dict(
         iteration=1, train_iters=2, consumed_samples=4, consumed_tokens=8, ms_per_iteration=1.0, lr=0.0,
         global_batch_size=4, lm_loss=1.0, loss_scale=None, grad_norm=None, skipped_iterations=0, nan_iterations=0,
-        samples_per_second=1.0, tokens_per_second=2.0, tflops=0.0, mfu=None))
-    assert "loss scale" not in short and "grad norm" not in short and "MFU" not in short
+        samples_per_second=1.0, tokens_per_second=2.0, tflops=None, mfu=None))
+    assert line == (
+        "iteration        1/       2 | consumed samples:            4 | consumed tokens:              8 | "
+        "elapsed time per iteration (ms): 1.0 | learning rate: 0.000E+00 | global batch size:     4 | "
+        "lm loss: 1.000000E+00 | number of skipped iterations:   0 | number of nan iterations:   0 | "
+        "samples per second: 1.000 | tokens per second: 2.0 |")
+
+
+def test_peak_memory_is_left_out_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    assert peak_memory_gib() == {}
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_cuda():
+    torch.cuda.reset_peak_memory_stats()
+    block = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")  # 1 GiB
+    peaks = peak_memory_gib()
+    assert peaks["peak_allocated_gib"] >= 1.0 and peaks["peak_reserved_gib"] >= peaks["peak_allocated_gib"]
+    assert peaks["peak_allocated_gib"] == torch.cuda.max_memory_allocated() / 2 ** 30
+    del block
 
 
 @pytest.mark.parametrize("style,step,expected", [

@@ -58,8 +58,10 @@ def test_bad_split_and_data_path():
 
 
 def test_missing_data_files(tmp_path):
+    """A data problem is an IndexedDatasetError: pretrain_bloom.py prints it as one line."""
+    from megatron.data.indexed_dataset import IndexedDatasetError
     prefix = str(tmp_path / "absent_text_document")
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(IndexedDatasetError) as info:
         build_train_valid_test_datasets([prefix], "969,30,1", (10, 0, 0), SEQ, 1234)
     assert str(info.value) == (f"--data-path {prefix}: {prefix}.idx does not exist; pass the output prefix of "
                                "tools/preprocess_data.py without .bin/.idx (e.g. c4_en_text_document)")

@@ -117,3 +117,62 @@ def test_merge_tool_missing_input(tmp_path, capsys):
     assert merge_datasets.main(["--input", str(tmp_path / "x"), "--output-prefix", str(tmp_path / "y")]) == 2
     assert capsys.readouterr().err.strip() == (f"merge_datasets.py: error: --input {tmp_path / 'x'}: "
                                                f"{tmp_path / 'x'}.idx does not exist; pass prefixes without .bin/.idx")
+
+
+def _corrupt(tmp_path, name, edit):
+    """A 3-sequence, 2-document uint16 dataset (12 .bin bytes, 34 + 36 + 24 = 94 .idx bytes), then edit(idx, bin)."""
+    prefix = str(tmp_path / name)
+    _write(prefix, [[[1, 2, 3], [4]], [[5, 6]]], np.uint16)
+    idx, data = tmp_path / f"{name}.idx", tmp_path / f"{name}.bin"
+    edit(idx, data)
+    return prefix
+
+
+def _open_error(prefix):
+    with pytest.raises(ValueError) as info:
+        MMapIndexedDataset(prefix)
+    return str(info.value)
+
+
+def test_truncated_or_corrupt_files_name_the_file_and_the_fix(tmp_path):
+    fix = "re-run tools/preprocess_data.py to rebuild {p}.bin/.idx"
+
+    p = _corrupt(tmp_path, "short_idx", lambda idx, data: idx.write_bytes(idx.read_bytes()[:90]))
+    assert _open_error(p) == (f"{p}.idx is truncated: 90 bytes, but its header describes 3 sequences in 2 "
+                              f"documents (94 bytes); " + fix.format(p=p))
+    p = _corrupt(tmp_path, "header", lambda idx, data: idx.write_bytes(idx.read_bytes()[:20]))
+    assert _open_error(p) == f"{p}.idx is truncated: 20 bytes, shorter than the 34-byte MMIDIDX header; " + \
+        fix.format(p=p)
+    p = _corrupt(tmp_path, "empty", lambda idx, data: idx.write_bytes(b""))
+    assert _open_error(p) == f"{p}.idx is truncated: 0 bytes, shorter than the 34-byte MMIDIDX header; " + \
+        fix.format(p=p)
+    p = _corrupt(tmp_path, "magic", lambda idx, data: idx.write_bytes(b"TNTIDX\x00\x00" + idx.read_bytes()[8:]))
+    assert _open_error(p) == (f"{p}.idx is not an MMIDIDX index (it starts with b'TNTIDX\\x00\\x00\\x00', not "
+                              f"b'MMIDIDX\\x00\\x00'); " + fix.format(p=p))
+    p = _corrupt(tmp_path, "long_idx", lambda idx, data: idx.write_bytes(idx.read_bytes() + b"\x00" * 8))
+    assert _open_error(p) == (f"{p}.idx is corrupt: 102 bytes, but its header describes 3 sequences in 2 "
+                              f"documents (94 bytes); " + fix.format(p=p))
+    p = _corrupt(tmp_path, "doc_idx", lambda idx, data: idx.write_bytes(idx.read_bytes()[:-8] + struct.pack("<q", 4)))
+    assert _open_error(p) == (f"{p}.idx is corrupt: its last document ends at sequence 4, but it holds 3 "
+                              f"sequences; " + fix.format(p=p))
+    p = _corrupt(tmp_path, "no_docs", lambda idx, data: idx.write_bytes(
+        idx.read_bytes()[:26] + struct.pack("<Q", 0) + idx.read_bytes()[34:-24]))
+    assert _open_error(p) == (f"{p}.idx is corrupt: its document index is empty (it holds at least the offset 0); "
+                              + fix.format(p=p))
+    p = _corrupt(tmp_path, "short_bin", lambda idx, data: data.write_bytes(data.read_bytes()[:7]))
+    assert _open_error(p) == (f"{p}.bin is truncated: 7 bytes, but {p}.idx describes 3 sequences of uint16 "
+                              f"ending at byte 12; " + fix.format(p=p))
+    p = _corrupt(tmp_path, "long_bin", lambda idx, data: data.write_bytes(data.read_bytes() * 2))
+    assert _open_error(p) == (f"{p}.bin does not match its index: 24 bytes, but {p}.idx describes 3 sequences "
+                              f"of uint16 ending at byte 12; " + fix.format(p=p))
+
+
+def test_merge_tool_rejects_a_truncated_input(tmp_path, capsys):
+    good = _corrupt(tmp_path, "good", lambda idx, data: None)
+    bad = _corrupt(tmp_path, "bad", lambda idx, data: data.write_bytes(data.read_bytes()[:10]))
+    out = tmp_path / "out"
+    assert merge_datasets.main(["--input", good, bad, "--output-prefix", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"merge_datasets.py: error: {bad}.bin is truncated: 10 bytes, but {bad}.idx describes 3 sequences of "
+        f"uint16 ending at byte 12; re-run tools/preprocess_data.py to rebuild {bad}.bin/.idx")
+    assert sorted(os.listdir(tmp_path)) == ["bad.bin", "bad.idx", "good.bin", "good.idx"]

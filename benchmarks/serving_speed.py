@@ -1,0 +1,313 @@
+"""Benchmark: the text generation server under 1, 8 and 32 concurrent streaming clients (tokens/s, TTFT, per token).
+
+    python benchmarks/serving_speed.py --device cuda --output benchmarks/results/serving_h200.json
+        # the document's 1.72B model (random weights) in bf16 on a GPU
+    python benchmarks/serving_speed.py --device cuda --load bloom_final      # a checkpoint or HF folder instead
+    python benchmarks/serving_speed.py --tiny                                 # a small fp32 model on the CPU
+        [--clients 1 8 32 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
+
+A child process builds the model and an InferenceEngine, times tools/generate_text.py's path at batch 1 there
+(engine.generate of one prompt, warm, best of --repeats: the baseline), then serves it with
+megatron.inference.server (the code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1.
+Each client is a thread that sends --requests-per-client streamed completions one after another: a fixed
+--prompt-len token prompt (token ids, different per client), --new-tokens tokens, greedy, eod ignored so every
+completion has exactly --new-tokens tokens. Each concurrency starts with a warm-up round of one request per client
+(CUDA-graph captures of its batch and kv-length buckets), then the measured round. Per concurrency: aggregate
+tokens/s (all completion tokens / wall time of the round), time to first token (request sent -> first text chunk)
+and time per output token after the first ((last - first chunk) / (tokens - 1)), p50 and p95 over the requests.
+The ratios printed at the end: one client against the baseline (the goal: within 10%), N clients against one.
+"""
+import argparse
+import http.client
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCUMENT_MODEL = dict(layers=24, hidden=2048, heads=16, vocab=250880)
+TINY_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    parser.add_argument("--tiny", action="store_true", help=f"a small fp32 model ({TINY_MODEL}) on the CPU")
+    parser.add_argument("--load", default=None, help="serve this checkpoint / HF folder instead of random weights")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on cuda")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 256 (64 with --tiny)")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--steps-per-sync", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="baseline timings (best counts)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the server")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    parser.add_argument("--output", default=None, help="also write the figures as JSON")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: the server process
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+        args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    for key, value in (TINY_MODEL if args.tiny else DOCUMENT_MODEL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.new_tokens = args.new_tokens or (64 if args.tiny else 256)
+    return args
+
+
+# ---- the server process ------------------------------------------------------------------------------------------
+
+def build_model(args, device, dtype):
+    import torch
+
+    from megatron import checkpoint_tools
+    from megatron.config import ModelConfig
+    from megatron.model import BloomModel
+    from megatron.tokenizer import build_tokenizer
+
+    if args.load:
+        merged = checkpoint_tools.load_any(args.load)
+        tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=merged.tokenizer_dir)
+        return checkpoint_tools.build_model(merged, dtype, device=device), tokenizer
+    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=os.path.join(ROOT, "examples", "tokenizer"))
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                         vocab_size=args.vocab, seq_length=args.prompt_len + args.new_tokens, attention_impl="torch",
+                         hidden_dropout=0.0, attention_dropout=0.0)
+    with torch.device(device):
+        model = BloomModel(config, parallel_output=False).to(dtype)
+    return model.eval(), tokenizer
+
+
+def child(args):
+    """Builds the model, times the batch-1 baseline, serves until SIGTERM."""
+    import torch
+
+    from megatron.inference import InferenceEngine, SamplingParams
+    from megatron.inference.server import ServerSettings, bind, serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model, tokenizer = build_model(args, device, dtype)
+    context = args.prompt_len + args.new_tokens
+    prompt = client_prompt(args, tokenizer.vocab_size, 0)
+    params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens)
+    single = InferenceEngine(model, max_batch_size=1, max_seq_len=context, eod_id=None,
+                             vocab_limit=tokenizer.vocab_size)  # tools/generate_text.py --batch-size 1
+    timings = []
+
+    def time_baseline():  # on a thread of its own, as the server's engine runs
+        single.generate([prompt], params)  # warm-up (graph capture)
+        for _ in range(args.repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = single.generate([prompt], params)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            timings.append((time.perf_counter() - start, len(out[0])))
+
+    thread = threading.Thread(target=time_baseline)
+    thread.start()
+    thread.join()
+    del single
+    seconds, tokens = min(timings)
+    baseline = {"tokens_per_s": tokens / seconds, "tokens": tokens, "vocab_size": tokenizer.vocab_size}
+    print("BASELINE " + json.dumps(baseline), flush=True)
+    engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
+                             vocab_limit=tokenizer.vocab_size)
+    with torch.no_grad():
+        engine.warmup()  # CUDA-graph captures of the decode step
+    settings = ServerSettings(model_name="bench", max_new_tokens=args.new_tokens, steps_per_sync=args.steps_per_sync,
+                              log_level="warning")
+    return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
+
+
+def client_prompt(args, vocab_size, client):
+    import random
+    rng = random.Random(1000 + client)
+    return [rng.randrange(4, vocab_size) for _ in range(args.prompt_len)]
+
+
+# ---- the clients -------------------------------------------------------------------------------------------------
+
+def stream_one(port, prompt, new_tokens, timeout):
+    """One streamed completion: {start, first, end, tokens, text} (times from time.perf_counter)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    start = time.perf_counter()
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"the server answered {response.status}: {response.read()[:500]!r}")
+    first, text, tokens = None, "", None
+    while True:
+        line = response.readline()
+        if not line:
+            raise RuntimeError("the stream ended without data: [DONE]")
+        line = line.strip()
+        if not line:
+            continue
+        if line == b"data: [DONE]":
+            break
+        chunk = json.loads(line[len(b"data: "):])
+        if "error" in chunk:
+            raise RuntimeError(f"the server failed the stream: {chunk['error']}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        for choice in chunk["choices"]:
+            if choice["text"] and first is None:
+                first = time.perf_counter()
+            text += choice["text"]
+    end = time.perf_counter()
+    connection.close()
+    return {"start": start, "first": first if first is not None else end, "end": end, "tokens": tokens, "text": text}
+
+
+def run_round(args, port, clients, vocab_size, requests=None):
+    results, errors = [], []
+
+    def client(index):
+        try:
+            for _ in range(requests or args.requests_per_client):
+                results.append(stream_one(port, client_prompt(args, vocab_size, index), args.new_tokens,
+                                          args.timeout))
+        except Exception as err:  # reported below, after every thread ends
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(clients, results):
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [(r["first"] - r["start"]) * 1e3 for r in results]
+    tpot = [(r["end"] - r["first"]) * 1e3 / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall, "per_client_tokens_per_s": statistics.mean(
+                r["tokens"] / (r["end"] - r["start"]) for r in results),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
+            "tpot_p50_ms": percentile(tpot, 50), "tpot_p95_ms": percentile(tpot, 95)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device here; run it on a GPU machine or pass --tiny")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
+    environment = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=environment)
+    try:
+        baseline, port, deadline = None, None, time.monotonic() + args.timeout
+        for line in proc.stdout:
+            if line.startswith("BASELINE "):
+                baseline = json.loads(line[len("BASELINE "):])
+            match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+)", line)
+            if match:
+                port = int(match.group(1))
+                break
+            if time.monotonic() > deadline:
+                break
+        if port is None:
+            raise RuntimeError("the server process did not start; its errors are above")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+        wait_healthy(port, deadline)
+        vocab_size = baseline["vocab_size"]
+        describe(args, baseline)
+        rows = []
+        print(f"{'clients':>7} {'tok/s':>9} {'per client':>10} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
+              f"{'p95':>8}  (ms)")
+        for clients in args.clients:
+            run_round(args, port, clients, vocab_size, requests=1)  # warm-up: this load's graph captures
+            row = summarize(clients, run_round(args, port, clients, vocab_size))
+            rows.append(row)
+            print(f"{clients:>7} {row['tokens_per_s']:>9.1f} {row['per_client_tokens_per_s']:>10.1f} "
+                  f"{row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} "
+                  f"{row['tpot_p95_ms']:>8.2f}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    ratios = {}
+    by_clients = {r["clients"]: r for r in rows}
+    if 1 in by_clients:
+        ratios["one_client_vs_generate_text"] = by_clients[1]["tokens_per_s"] / baseline["tokens_per_s"]
+        for clients in by_clients:
+            if clients > 1:
+                ratios[f"clients_{clients}_vs_one"] = (by_clients[clients]["tokens_per_s"]
+                                                        / by_clients[1]["tokens_per_s"])
+    print(f"baseline (tools/generate_text.py path, batch 1): {baseline['tokens_per_s']:.1f} tokens/s; "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; server exit code {code}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"device": device_name(args), "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+                       "baseline_batch1": baseline, "rows": rows, "ratios": ratios, "server_exit_code": code}, f,
+                      indent=2)
+    return 0 if code == 0 else 1
+
+
+def wait_healthy(port, deadline):
+    """Until GET /health answers 200 (the socket is bound before uvicorn listens on it)."""
+    while True:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not answer GET /health in time")
+        time.sleep(0.1)
+
+
+def device_name(args):
+    import torch
+    return torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+
+
+def describe(args, baseline):
+    model = f"--load {args.load}" if args.load else (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+                                                      f"vocab {args.vocab} (random weights)")
+    print(f"model: {model}, {args.dtype}, {device_name(args)}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
+          f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync; "
+          f"baseline (generate_text path, batch 1): {baseline['tokens_per_s']:.1f} tokens/s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

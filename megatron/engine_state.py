@@ -1,0 +1,333 @@
+"""The DeepSpeed engine's training state for checkpoints (optimizer, LR schedule position, step counters),
+collected without model weights and with every tensor once, and restored into any optimizer wrapper.
+
+What DeepSpeed wraps our optimizer in, by precision, ZeRO stage and pipeline (each has its own state_dict):
+
+    fp32, ZeRO 0                      torch's AdamW itself                 replicated over DP
+    bf16/fp16, ZeRO 0, PP 1           FP16_UnfusedOptimizer                replicated over DP
+    fp16, ZeRO 0, PP > 1              FP16_UnfusedOptimizer                replicated over DP
+    bf16, ZeRO 0, PP > 1              BF16_Optimizer                       partitioned over DP
+    any, ZeRO 1/2                     DeepSpeedZeroOptimizer               partitioned over DP
+    any, ZeRO 3                       DeepSpeedZeroOptimizer_Stage3        partitioned over DP
+
+Replicated state is collected on DP rank 0 only. Two things would otherwise be stored twice:
+- in fp32, ZeRO's fp32 partitions equal the weights (kept in the model shards): they are left out and rebuilt
+  from the loaded weights;
+- with PP > 1, DeepSpeed keeps a copy of the tied word embedding on the last stage and updates it exactly as
+  the first stage's (its gradient is all-reduced over the pair): the copy's optimizer state (fp32 master,
+  Adam moments) is left out of the last stage's file and sent from the first stage after loading.
+
+This replaces engine.save_checkpoint/load_checkpoint, which also write the module's weights (a second copy of the
+model shards) and, for BF16_Optimizer without ZeRO (bf16 with pipeline parallelism), store its state twice and
+then cannot load it: the engine hands BF16_Optimizer.load_state_dict the state of one rank where it indexes a
+list of per-DP-rank states (KeyError: 0).
+"""
+import torch
+import torch.distributed as dist
+
+# Where DeepSpeed's ZeRO optimizers keep their fp32 partitions in state_dict().
+FP32_MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")
+FORMAT = 2  # checkpoints' "engine_state_version"; 1 was DeepSpeed's own files (engine.save_checkpoint)
+
+
+def partitioned(optimizer):
+    """True when each DP rank holds its own part of the state (ZeRO 1-3, BF16_Optimizer); False when every DP
+    rank holds the same (torch's optimizer, FP16_(Unfused)Optimizer), so DP rank 0's copy serves all."""
+    return hasattr(optimizer, "dp_process_group")
+
+
+def _zero_optimizer(optimizer):
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    return isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
+
+
+def _compact(obj):
+    """obj with every tensor that views a larger storage copied out (torch.save writes a view's whole storage)."""
+    if torch.is_tensor(obj):
+        if obj.untyped_storage().nbytes() <= obj.numel() * obj.element_size():
+            return obj
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj.detach().clone()  # no device memory
+    if isinstance(obj, dict) and type(obj).__name__ in ("dict", "OrderedDict"):
+        return type(obj)((k, _compact(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_compact(v) for v in obj)
+    return obj
+
+
+def _event(optimizer, name):
+    """ZeRO-3's checkpoint_event_prologue/epilogue (partition every parameter / regather persistent ones)."""
+    hook = getattr(optimizer, f"checkpoint_event_{name}", None)
+    if hook is not None:
+        hook()
+
+
+def collect(engine, precision, dp_rank):
+    """This rank's engine state to save, or None where DP rank 0's holds the same. CPU or device tensors."""
+    optimizer = engine.optimizer
+    if not partitioned(optimizer) and dp_rank != 0:
+        return None
+    _event(optimizer, "prologue")
+    try:
+        state = dict(optimizer.state_dict())
+    finally:
+        _event(optimizer, "epilogue")
+    dropped = None
+    if precision == "fp32" and _zero_optimizer(optimizer) and not getattr(optimizer, "elastic_checkpoint", False):
+        dropped = next((key for key in FP32_MASTER_KEYS if key in state), None)
+        state.pop(dropped, None)
+    tied_removed = _drop_tied_copies(engine, state)
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return {"optimizer": _compact(state), "optimizer_class": type(optimizer).__name__,
+            "fp32_master_from_weights": dropped, "tied_removed": tied_removed,
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps}
+
+
+def restore(engine, saved, read_dp_rank=None):
+    """Loads collect()'s dict into an engine whose module already holds the checkpoint's weights.
+
+    read_dp_rank(r) returns DP rank r's saved dict (needed only with ZeRO's elastic_checkpoint). Raises ValueError
+    when the state comes from another optimizer wrapper. Collective over the pipeline's tied-weight groups.
+    """
+    optimizer = engine.optimizer
+    if saved["optimizer_class"] != type(optimizer).__name__:
+        raise ValueError(f"the optimizer state was written by DeepSpeed's {saved['optimizer_class']}, this run uses "
+                         f"{type(optimizer).__name__}")
+    state = _restore_tied_placeholders(engine, dict(saved["optimizer"]), saved["tied_removed"])
+    dropped = saved["fp32_master_from_weights"]
+    _event(optimizer, "prologue")
+    if dropped == "fp32_flat_groups":  # ZeRO-3 always restores its partitions from the state: give it the weights
+        state[dropped] = [t.detach().clone() for t in optimizer.fp16_partitioned_groups_flat]
+    if partitioned(optimizer):
+        dp_rank = dist.get_rank(group=optimizer.dp_process_group)
+        dp_size = dist.get_world_size(group=optimizer.dp_process_group)
+        if getattr(optimizer, "elastic_checkpoint", False):  # merges every partition's state, as DeepSpeed does
+            state_list = [state if r == dp_rank else read_dp_rank(r)["optimizer"] for r in range(dp_size)]
+        else:
+            state_list = [None] * dp_size
+            state_list[dp_rank] = state
+        optimizer.load_state_dict(state_dict_list=state_list, load_optimizer_states=True,
+                                  load_from_fp32_weights=dropped is None, checkpoint_folder=None)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(state)
+    else:  # FP16_UnfusedOptimizer / FP16_Optimizer
+        optimizer.load_state_dict(state, load_optimizer_states=True)
+    _event(optimizer, "epilogue")
+    _sync_tied_copies(engine)
+    engine.global_steps = saved["global_steps"]
+    engine.global_samples = saved["global_samples"]
+    engine.skipped_steps = saved["skipped_steps"]
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and saved["lr_scheduler"] is not None:
+        scheduler.load_state_dict(saved["lr_scheduler"])
+
+
+def refresh_master_weights(engine):
+    """Copies the module's (just loaded) weights into the optimizer's fp32 master weights where it keeps them
+    (bf16/fp16, ZeRO); without it the first step would continue from the master weights of initialization."""
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+    if refresh is not None:
+        refresh()
+
+
+# ---------------------------------------------------------------- the pipeline's tied word embedding
+
+
+def _tied_weights(engine):
+    """[(name, param, comm)] for the pipeline's tied weights on this rank (DeepSpeed's PipelineModule.tied_comms);
+    the first stage of each group (its lowest rank) owns the state, the others hold copies."""
+    module = engine.module
+    comms = getattr(module, "tied_comms", None) or {}
+    names = {id(p): n for n, p in module.named_parameters()}
+    found = []
+    for key in sorted(comms):
+        comm = comms[key]
+        for attr in comm["weight_attr"]:
+            param = module._recursive_getattr(comm["module"], attr)
+            found.append((names[id(param)], param, comm))
+    return found
+
+
+def _copies(engine):
+    return [(name, param) for name, param, comm in _tied_weights(engine) if dist.get_rank() != min(comm["ranks"])]
+
+
+def _param_index(optimizer_params, param):
+    """Position of param in torch's state_dict numbering (parameters of all groups, in order)."""
+    flat = [p for group in optimizer_params for p in group]
+    return next(i for i, p in enumerate(flat) if p is param)
+
+
+def _tied_kind(optimizer):
+    """How the tied copies' state is left out for this optimizer wrapper (the same answer on every rank), or None
+    where it is kept (another wrapper; ZeRO's elastic checkpoints, where every rank reads all partitions)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if getattr(optimizer, "elastic_checkpoint", False):
+        return None
+    if isinstance(optimizer, (BF16_Optimizer, DeepSpeedZeroOptimizer)):
+        return "flat"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return "torch"
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        return "unfused"
+    return None
+
+
+def _drop_tied_copies(engine, state):
+    """Removes the tied copies' optimizer state from state (in place). Returns what load must put back."""
+    optimizer = engine.optimizer
+    copies = _copies(engine)
+    kind = _tied_kind(optimizer) if copies else None
+    if kind == "flat":
+        # BF16_Optimizer, ZeRO 1/2: flat fp32 partitions; cut each copy's fragment out of every flat tensor
+        ranges = {}
+        for group, mapping in enumerate(state["param_slice_mappings"]):
+            spans = sorted((mapping[name].start, mapping[name].numel) for name, _ in copies if name in mapping)
+            if spans:
+                ranges[group] = spans
+        cut = []
+        base = state["base_optimizer_state"] = {**state["base_optimizer_state"],
+                                                "state": dict(state["base_optimizer_state"]["state"])}
+        fp32 = state.get("single_partition_of_fp32_groups")
+        if fp32 is not None:
+            state["single_partition_of_fp32_groups"] = fp32 = list(fp32)
+        for group, spans in ranges.items():
+            end = max(start + numel for start, numel in spans)
+            if fp32 is not None:
+                cut.append(("fp32", group, None, fp32[group].numel()))
+                fp32[group] = _cut(fp32[group], spans)
+            if group not in base["state"]:  # no step taken yet (every fp16 step skipped, say): no moments
+                continue
+            entry = base["state"][group] = dict(base["state"][group])
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() >= end:
+                    cut.append(("state", group, key, value.numel()))
+                    entry[key] = _cut(value, spans)
+        return {"kind": "flat", "ranges": ranges, "cut": cut}
+    if kind == "torch":
+        params = [group["params"] for group in optimizer.param_groups]
+        indices = [_param_index(params, param) for _, param in copies]
+        state["state"] = {i: s for i, s in state["state"].items() if i not in indices}
+        return {"kind": "torch", "indices": indices}
+    if kind == "unfused":  # per-parameter fp32 copies, torch's state over them
+        groups = optimizer.fp16_groups
+        places = [next((g, j) for g, group in enumerate(groups) for j, p in enumerate(group) if p is param)
+                  for _, param in copies]
+        indices = [_param_index(groups, param) for _, param in copies]
+        state["fp32_groups"] = [list(group) for group in state["fp32_groups"]]
+        for g, j in places:
+            state["fp32_groups"][g][j] = torch.empty(0)
+        inner = state["optimizer_state_dict"] = dict(state["optimizer_state_dict"])
+        inner["state"] = {i: s for i, s in inner["state"].items() if i not in indices}
+        return {"kind": "unfused", "places": places, "indices": indices}
+    return None
+
+
+def _cut(tensor, spans):
+    keep, position = [], 0
+    for start, numel in spans:
+        keep.append(tensor[position:start])
+        position = start + numel
+    keep.append(tensor[position:])
+    return torch.cat(keep)
+
+
+def _paste_zeros(tensor, spans, numel):
+    """The inverse of _cut: a tensor of numel elements, tensor's elements in order, zeros in the spans."""
+    out = torch.zeros(numel, dtype=tensor.dtype, device=tensor.device)
+    taken = position = 0
+    for start, length in spans:
+        out[position:start] = tensor[taken:taken + start - position]
+        taken += start - position
+        position = start + length
+    out[position:] = tensor[taken:]
+    return out
+
+
+def _restore_tied_placeholders(engine, state, removed):
+    """Puts placeholders where _drop_tied_copies cut (the values come from the first stage afterwards)."""
+    if not removed:
+        return state
+    if removed["kind"] == "flat":
+        base = state["base_optimizer_state"] = {**state["base_optimizer_state"],
+                                                "state": dict(state["base_optimizer_state"]["state"])}
+        if "single_partition_of_fp32_groups" in state:
+            state["single_partition_of_fp32_groups"] = list(state["single_partition_of_fp32_groups"])
+        for where, group, key, numel in removed["cut"]:
+            spans = removed["ranges"][group]
+            if where == "fp32":
+                fp32 = state["single_partition_of_fp32_groups"]
+                fp32[group] = _paste_zeros(fp32[group], spans, numel)
+            else:
+                entry = base["state"][group] = dict(base["state"][group])
+                entry[key] = _paste_zeros(entry[key], spans, numel)
+    elif removed["kind"] == "unfused":
+        state["fp32_groups"] = [list(group) for group in state["fp32_groups"]]
+        for g, j in removed["places"]:
+            state["fp32_groups"][g][j] = engine.optimizer.fp32_groups[g][j].detach().clone()
+    return state
+
+
+def _live_state(optimizer, param):
+    """name -> tensor of param's full (unpartitioned) optimizer state, fp32 master included; collective over the
+    DP group for partitioned optimizers."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    if hasattr(param, "_hp_mapping"):
+        # every DP rank asks for the same keys (each call all-reduces), also one holding no fragment of param
+        keys = sorted({key for flat in optimizer.optimizer.state.values() for key, value in flat.items()
+                       if torch.is_tensor(value) and value.dim() == 1})
+        state = {"fp32": safe_get_full_fp32_param(param)}
+        for key in keys:
+            state[key] = safe_get_full_optimizer_state(param, key)
+        return state
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return dict(optimizer.state[param])
+    for g, group in enumerate(optimizer.fp16_groups):  # FP16_UnfusedOptimizer
+        for j, p in enumerate(group):
+            if p is param:
+                master = optimizer.fp32_groups[g][j]
+                return {"fp32": master, **optimizer.optimizer.state[master]}
+    raise AssertionError(f"tied parameter not found in {type(optimizer).__name__}")
+
+
+def _sync_tied_copies(engine):
+    """Sends the first stage's optimizer state of each tied weight to the stages holding copies."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    optimizer = engine.optimizer
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tied = _tied_weights(engine) if _tied_kind(optimizer) else []
+    if tied and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        # load_state_dict re-created the fragment mappings without their views of the Adam moments, which
+        # DeepSpeed links only after the first step: link them now, to the loaded moments.
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+    for _, param, comm in tied:
+        src = min(comm["ranks"])
+        own = dist.get_rank() == src
+        state = _live_state(optimizer, param) if own else None
+        layout = [[(k, tuple(v.shape), v.dtype, v.device.type) for k, v in state.items()] if own else None]
+        dist.broadcast_object_list(layout, src=src, group=comm["group"])
+        received = {}
+        for key, shape, dtype, device_type in layout[0]:
+            tensor = state[key].detach().to(device).contiguous() if own else \
+                torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=src, group=comm["group"])
+            received[key] = (tensor, device_type)
+        if own:
+            continue
+        if hasattr(param, "_hp_mapping"):  # BF16_Optimizer, ZeRO 1/2: each rank writes its own fragment
+            safe_set_full_fp32_param(param, received.pop("fp32")[0])
+            for key, (value, _) in received.items():
+                safe_set_full_optimizer_state(param, value, key)
+            continue
+        place = {k: v if kind != "cpu" else v.cpu() for k, (v, kind) in received.items()}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.state[param] = place
+        else:  # FP16_UnfusedOptimizer
+            master = _live_state(optimizer, param)["fp32"]
+            master.data.copy_(place.pop("fp32"))
+            optimizer.optimizer.state[master] = place

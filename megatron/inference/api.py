@@ -1,0 +1,420 @@
+"""The server's wire formats: OpenAI completions and Megatron's PUT /api, validated; streamed text deltas.
+
+Everything here is pure (no HTTP, no engine) so each rule is unit-tested on its own:
+
+    parse_completion_request(body, limits)  a JSON object -> CompletionRequest, or APIError(400, field named)
+    parse_megatron_request(body, limits)    Megatron's {"prompts": [...], "tokens_to_generate": ...}
+    tokenize_prompts(...)                   text or token-id prompts -> ids, checked against the context
+    IncrementalText                         a row's growing ids -> text deltas that concatenate to the final text,
+                                            cut at the first stop string
+    completion_body / chunk_body / ...      the response objects
+
+Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+import math
+from dataclasses import dataclass
+
+from megatron.inference.sampling import SamplingParams
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (0 is the documented way)
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_STOP_STRINGS = 16
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+
+COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+                     "stream_options", "n", "echo", "user", "logprobs", "presence_penalty", "frequency_penalty",
+                     "best_of", "logit_bias", "suffix")
+
+
+class APIError(Exception):
+    """An HTTP error with OpenAI's error object; param names the offending request field (or None)."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+
+    def __init__(self, status, message, param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param, message):
+    return APIError(400, message, param)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server allows: max_tokens up to max_new_tokens, prompt + max_tokens up to context."""
+    max_new_tokens: int
+    context: int
+    vocab_size: int
+    max_choices: int = 128  # prompts x n in one request
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list  # each a str or a list of token ids
+    max_tokens: int
+    params: SamplingParams
+    seed: object  # int, or None: a random one per request
+    stop: tuple = ()
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    model: str = None
+
+
+# ---- field checks ------------------------------------------------------------------------------------------------
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _show(value, limit=40):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _int(body, name, default, low=None, high=None, high_hint=""):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad(name, f"{name} must be an integer (got {_show(value)})")
+    if low is not None and value < low:
+        raise bad(name, f"{name} must be at least {low} (got {value})")
+    if high is not None and value > high:
+        raise bad(name, f"{name} {value} exceeds {high_hint or f'the maximum {high}'}")
+    return value
+
+
+def _number(body, name, default, check, expected):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not check(value):
+        raise bad(name, f"{name} must be {expected} (got {_show(value)})")
+    return float(value)
+
+
+def _bool(body, name, default=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"{name} must be true or false (got {_show(value)})")
+    return value
+
+
+def _token_list(value):
+    return isinstance(value, list) and len(value) > 0 and all(_is_int(t) for t in value)
+
+
+def _prompts(body, field="prompt"):
+    """A completion's prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if field not in body or body[field] is None:
+        raise bad(field, f"{field} is required: a string, a list of strings, a list of token ids or a list of "
+                         "lists of token ids")
+    value = body[field]
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise bad(field, f"{field} must be a string, a list of strings, a list of token ids or a list of lists of "
+                         f"token ids (got {type(value).__name__})")
+    if not value:
+        raise bad(field, f"{field} is an empty list: give at least one prompt")
+    if all(isinstance(p, str) for p in value):
+        return list(value)
+    if _token_list(value):
+        return [list(value)]
+    if all(_token_list(p) for p in value):
+        return [list(p) for p in value]
+    raise bad(field, f"{field} must be a string, a list of strings, a list of token ids or a list of lists of "
+                     "token ids (a list mixes types or holds an empty list)")
+
+
+def _stop(body):
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", f"stop must be a string or a list of strings (got {_show(value)})")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad("stop", f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    if any(s == "" for s in stops):
+        raise bad("stop", "stop strings must not be empty")
+    return tuple(dict.fromkeys(stops))
+
+
+def _unsupported(body, name, allowed, what):
+    """Fields of OpenAI's schema this server does not implement: accepted only at their no-op values."""
+    value = body.get(name)
+    if value is not None and value not in allowed:
+        raise bad(name, f"{name} is not supported by this server ({what}); leave it out")
+
+
+def sampling_params(temperature, top_p, top_k, max_tokens):
+    """SamplingParams from API values: temperature 0 (below 1e-5) is greedy; top_k -1 or 0 disables top-k."""
+    if temperature < GREEDY_TEMPERATURE:
+        return SamplingParams(greedy=True, max_new_tokens=max_tokens)
+    return SamplingParams(greedy=False, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+                          max_new_tokens=max_tokens)
+
+
+def parse_completion_request(body, limits):
+    """A CompletionRequest from the JSON body of POST /v1/completions; APIError(400) names the first bad field."""
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object (got a JSON {type(body).__name__})")
+    unknown = [k for k in body if k not in COMPLETION_FIELDS]
+    if unknown:
+        raise bad(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"model must be a string (got {_show(model)})")
+    prompts = _prompts(body)
+    default_tokens = min(DEFAULT_MAX_TOKENS, limits.max_new_tokens)
+    max_tokens = _int(body, "max_tokens", default_tokens, low=1, high=limits.max_new_tokens,
+                      high_hint=f"this server's limit of {limits.max_new_tokens} tokens (--max-new-tokens-limit)")
+    temperature = _number(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0 (0 decodes greedily)")
+    top_p = _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 disables it)")
+    top_k = _int(body, "top_k", 0, low=-1)
+    seed = _int(body, "seed", None, low=INT64_MIN, high=INT64_MAX)
+    stop = _stop(body)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed with stream: true")
+        if not isinstance(options, dict) or any(k != "include_usage" for k in options):
+            raise bad("stream_options", f"stream_options must be an object with include_usage only "
+                                        f"(got {_show(options)})")
+        include_usage = _bool(options, "include_usage")
+    n = _int(body, "n", 1, low=1, high=limits.max_choices)
+    if len(prompts) * n > limits.max_choices:
+        raise bad("n" if n > 1 else "prompt", f"the request asks for {len(prompts) * n} completions (prompts x n); "
+                                               f"this server allows at most {limits.max_choices} per request")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"best_of must equal n ({n}) on this server: it does not rank samples (got "
+                             f"{_show(best_of)})")
+    echo = _bool(body, "echo")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", f"user must be a string (got {_show(user)})")
+    _unsupported(body, "logprobs", (), "no log-probabilities are computed")
+    _unsupported(body, "presence_penalty", (0,), "only 0")
+    _unsupported(body, "frequency_penalty", (0,), "only 0")
+    _unsupported(body, "logit_bias", ({},), "only an empty object")
+    _unsupported(body, "suffix", ("",), "no insertion")
+    return CompletionRequest(prompts=prompts, max_tokens=max_tokens,
+                             params=sampling_params(temperature, top_p, top_k, max_tokens), seed=seed, stop=stop,
+                             n=n, stream=stream, include_usage=include_usage, echo=echo, model=model)
+
+
+# ---- Megatron's PUT /api -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MegatronRequest:
+    prompts: list
+    tokens_to_generate: int
+    params: SamplingParams
+    seed: object
+    add_bos: bool = False
+    stop: tuple = ()  # stop_on_eol / stop_on_double_eol: kept in the text, as Megatron does
+
+
+def parse_megatron_request(body, limits):
+    """Megatron-LM's text generation request (tools/text_generation_cli.py sends prompts and tokens_to_generate).
+
+    Sampling follows Megatron: temperature in (0, 100], top_k 0..1000 (1 is greedy), top_p in [0, 1] (0 disables),
+    not both top_k and top_p; random_seed >= 0. Beam search, logprobs and the other Megatron extras are refused.
+    """
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object (got a JSON {type(body).__name__})")
+    if "prompts" not in body:
+        for old in ("max_len", "sentences"):
+            if old in body:
+                new = "tokens_to_generate" if old == "max_len" else "prompts"
+                raise bad(old, f"{old} is no longer used; replace it with {new}")
+        raise bad("prompts", "prompts argument required: a list of strings")
+    prompts = body["prompts"]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise bad("prompts", "prompts is not a list of strings")
+    if not prompts:
+        raise bad("prompts", "prompts is empty")
+    if len(prompts) > limits.max_choices:
+        raise bad("prompts", f"Maximum number of prompts is {limits.max_choices}")
+    logprobs = _bool(body, "logprobs")
+    if logprobs:
+        raise bad("logprobs", "logprobs is not supported by this server; leave it out or set it to false")
+    tokens = body.get("tokens_to_generate", min(64, limits.max_new_tokens))  # Megatron's default, capped
+    if not _is_int(tokens) or tokens < 1:
+        raise bad("tokens_to_generate", f"tokens_to_generate must be an integer greater than 0 (got {_show(tokens)})")
+    if tokens > limits.max_new_tokens:
+        raise bad("tokens_to_generate", f"tokens_to_generate {tokens} exceeds this server's limit of "
+                                        f"{limits.max_new_tokens} tokens (--max-new-tokens-limit)")
+    temperature = _number(body, "temperature", 1.0, lambda v: 0 < v <= 100,
+                          "a positive number less than or equal to 100.0")
+    top_k = _int(body, "top_k", 0, low=0, high=1000)
+    top_p = _number(body, "top_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1] (0 disables it)")
+    if top_k > 0 and top_p > 0:
+        raise bad("top_p", "cannot set both top-k and top-p samplings.")
+    for name in ("top_p_decay", "top_p_bound"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise bad(name, f"{name} is not supported by this server; leave it out")
+    if body.get("beam_width") is not None:
+        raise bad("beam_width", "beam search is not supported by this server; leave beam_width out")
+    if _bool(body, "prevent_newline_after_colon"):
+        raise bad("prevent_newline_after_colon", "prevent_newline_after_colon is not supported by this server")
+    add_bos = _bool(body, "add_BOS")
+    if any(p == "" for p in prompts) and not add_bos:
+        raise bad("prompts", "Empty prompts require add_BOS=true")
+    seed = _int(body, "random_seed", None, low=0, high=INT64_MAX)
+    stop = (("\n",) if _bool(body, "stop_on_eol") else ()) + (("\n\n",) if _bool(body, "stop_on_double_eol") else ())
+    _bool(body, "no_log")
+    stop_token = body.get("stop_token")
+    if stop_token is not None and not _is_int(stop_token):
+        raise bad("stop_token", f"stop_token must be an integer (got {_show(stop_token)})")
+    greedy = top_k == 1
+    params = SamplingParams(greedy=greedy, temperature=temperature, top_k=0 if greedy else top_k,
+                            top_p=top_p if top_p > 0 else 1.0, max_new_tokens=tokens)
+    return MegatronRequest(prompts=prompts, tokens_to_generate=tokens, params=params, seed=seed, add_bos=add_bos,
+                           stop=stop)
+
+
+# ---- prompts -----------------------------------------------------------------------------------------------------
+
+def tokenize_prompts(prompts, tokenizer, limits, max_tokens, field="prompt", tokens_field="max_tokens",
+                     prefix_ids=()):
+    """Token ids of each prompt (text tokenized, ids checked), each fitting the context with max_tokens more."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        where = field if len(prompts) == 1 else f"{field} {i}"
+        ids = list(prefix_ids) + (tokenizer.tokenize(prompt) if isinstance(prompt, str) else list(prompt))
+        if not ids:
+            raise bad(field, f"{where} is empty (it tokenizes to no tokens); give some text")
+        bad_ids = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad_ids:
+            raise bad(field, f"{where} holds token id {bad_ids[0]}, outside the vocabulary [0, {limits.vocab_size})")
+        if len(ids) >= limits.context:
+            raise bad(field, f"{where} is {len(ids)} tokens long; the model's context is {limits.context} tokens "
+                             f"(prompt + {tokens_field}): shorten the prompt")
+        if len(ids) + max_tokens > limits.context:
+            raise bad(tokens_field, f"{where} ({len(ids)} tokens) plus {tokens_field} ({max_tokens}) exceeds the "
+                                    f"model's context of {limits.context} tokens: ask for at most "
+                                    f"{limits.context - len(ids)} tokens")
+        out.append(ids)
+    return out
+
+
+def row_seed(seed, offset):
+    """The engine's int64 seed of choice `offset` of a request seeded with `seed` (wraps like int64)."""
+    return (seed + offset - INT64_MIN) % 2 ** 64 + INT64_MIN
+
+
+# ---- streamed text -----------------------------------------------------------------------------------------------
+
+class IncrementalText:
+    """The text of a row's generated ids, handed out as deltas while it grows.
+
+    update(ids, final) gets every id generated so far (a trailing eod is dropped) and returns the new text: only
+    the part that later tokens cannot change (no trailing U+FFFD of an unfinished UTF-8 character, nor a tail that
+    could begin a stop string), so the deltas concatenate exactly to `text` once final. `tokens` counts the ids
+    generated (an eod included). When a stop string appears the text is cut before it (or after it with
+    include_stop), `stopped` is set and `tokens` counts the ids up to the one that completed it.
+    """
+
+    def __init__(self, detokenize, eod_id=None, stop=(), include_stop=False):
+        self.detokenize, self.eod_id = detokenize, eod_id
+        self.stop, self.include_stop = tuple(stop), include_stop
+        self.emitted = ""  # what the deltas have handed out
+        self.text = None  # the final text
+        self.stopped = False
+        self.tokens = 0
+        self._seen = 0  # ids checked for stop strings
+
+    def _ids(self, ids):
+        return list(ids[:-1]) if ids and self.eod_id is not None and ids[-1] == self.eod_id else list(ids)
+
+    def _find_stop(self, text):
+        """(start, end) of the earliest stop string in text, or None."""
+        best = None
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, at + len(s))
+        return best
+
+    def update(self, ids, final=False):
+        if self.text is not None:
+            return ""
+        generated, ids = len(ids), self._ids(ids)
+        text = self.detokenize(ids)
+        found = self._find_stop(text) if self.stop else None
+        if found is not None:
+            self.stopped, final = True, True
+            text = text[:found[1] if self.include_stop else found[0]]
+            # the first id whose text completes a stop string (earlier ids' text held none)
+            self.tokens = next(k for k in range(self._seen + 1, len(ids) + 1)
+                               if self._find_stop(self.detokenize(ids[:k])) is not None)
+        else:
+            self.tokens = generated  # a final eod counts: it was generated
+        self._seen = len(ids)
+        if final:
+            self.text = text
+            stable = text
+        else:
+            stable = text.rstrip(REPLACEMENT)
+            if self.stop:
+                stable = stable[:len(stable) - self._stop_prefix(stable)]
+        if len(stable) <= len(self.emitted) or not stable.startswith(self.emitted):
+            return ""
+        delta, self.emitted = stable[len(self.emitted):], stable
+        return delta
+
+    def _stop_prefix(self, text):
+        """The length of the longest tail of text that is a proper prefix of a stop string."""
+        for length in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
+            tail = text[-length:]
+            if any(s.startswith(tail) for s in self.stop):
+                return length
+        return 0
+
+
+# ---- responses ---------------------------------------------------------------------------------------------------
+
+def choice_body(index, text, finish_reason):
+    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+
+def usage_body(prompt_tokens, completion_tokens):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(request_id, created, model, choices, usage):
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def chunk_body(request_id, created, model, choices, usage=None):
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def models_body(model, created):
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "megatron",
+                                        "root": model, "parent": None}]}

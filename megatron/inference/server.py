@@ -1,0 +1,520 @@
+"""The text generation server: OpenAI's completions API and Megatron's PUT /api over one InferenceEngine.
+
+    POST /v1/completions   OpenAI completions (prompt: a string, strings or token ids; stream: server-sent events)
+    GET  /v1/models        the one served model
+    GET  /health           200 with the engine's counters while the engine thread runs, 503 otherwise
+    PUT  /api              Megatron-LM's text generation request ({"prompts": [...], "tokens_to_generate": n})
+
+Threads: the HTTP side runs on one asyncio loop (uvicorn); the engine is not thread-safe, so one EngineWorker
+thread owns it. The loop hands new rows and cancellations to the worker through a queue; the worker admits them
+at its next step (continuous batching), runs step(steps_per_sync), and hands each row's new ids back to the loop
+with call_soon_threadsafe. Text, stop strings and responses are made on the loop, so the worker only steps.
+
+A client that disconnects (mid-stream or while waiting) has its rows cancelled; a stop string cancels its row.
+SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to shutdown_timeout seconds,
+then cancel what is left, and serve() returns 0.
+"""
+import asyncio
+import hmac
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from megatron.inference import api
+from megatron.inference.api import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    max_new_tokens: int  # the largest max_tokens a request may ask for
+    api_key: str = None
+    steps_per_sync: int = 8  # decode steps per engine synchronisation (tokens reach clients in bursts of this)
+    max_body_bytes: int = 1 << 20
+    max_pending: int = 1024  # rows queued or running; more are refused with 503
+    shutdown_timeout: float = 30.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+
+
+# ---- the engine thread -------------------------------------------------------------------------------------------
+
+class Row:
+    """One completion (a prompt, one of its n samples): created on the loop, stepped by the worker."""
+
+    def __init__(self, job, index, prompt_ids, params, seed, text):
+        self.job, self.index, self.prompt_ids, self.params, self.seed = job, index, prompt_ids, params, seed
+        self.text = text  # api.IncrementalText
+        self.finish_reason = None
+        self.output = []  # the ids generated so far (set on the loop)
+        self.published = 0  # ids handed to the loop (worker thread only)
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+class EngineWorker:
+    """Owns the InferenceEngine on one thread: admits rows, steps, publishes each row's new ids to the loop."""
+
+    def __init__(self, engine, steps_per_sync=8):
+        self.engine = engine
+        self.steps_per_sync = steps_per_sync
+        self._commands = queue.SimpleQueue()
+        self._thread = None
+        self._loop = None
+        self.alive = False
+        self.stats = {"running": 0, "waiting": 0, "peak_running": 0, "steps": 0, "finished": 0, "cancelled": 0,
+                      "errors": 0}
+
+    def start(self, loop):
+        self._loop = loop
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, rows):
+        self._commands.put(("add", rows))
+
+    def cancel(self, rows, count=True):
+        """Stops rows (queued or running); count: a client's cancellation (not a stop string)."""
+        self._commands.put(("cancel", (rows, count)))
+
+    def stop(self, timeout=10.0):
+        if self._thread is not None:
+            self._commands.put(("stop", None))
+            self._thread.join(timeout)
+
+    def _run(self):
+        engine, active = self.engine, {}  # Row -> engine Request
+        try:
+            while True:
+                block = not engine.has_work()
+                commands = [self._commands.get()] if block else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for kind, payload in commands:
+                    if kind == "stop":
+                        for request in active.values():
+                            engine.cancel(request)
+                        self._post([(row, [], "cancelled") for row in active])
+                        return
+                    if kind == "add":
+                        self._add(payload, active)
+                    else:
+                        rows, count = payload
+                        for row in rows:
+                            request = active.pop(row, None)
+                            if request is not None:
+                                engine.cancel(request)
+                                self.stats["cancelled"] += count
+                if engine.has_work():
+                    self._step(active)
+                self.stats.update(running=len(engine.running), waiting=len(engine.waiting))
+        except Exception:  # a bug: fail what is in flight rather than leave its clients waiting
+            logger.exception("server: the engine thread failed; the server answers 503 from now on")
+            self._post([(row, [], "error") for row in active])
+        finally:
+            self.alive = False
+
+    def _add(self, rows, active):
+        for row in rows:
+            try:
+                active[row] = self.engine.add_request(row.prompt_ids, row.params, row.seed, request_id=row)
+            except ValueError as err:  # checked on the loop already; an engine limit the checks missed
+                logger.error("server: request refused by the engine: %s", err)
+                self._post([(row, [], "error")])
+
+    def _step(self, active):
+        engine = self.engine
+        # a row that can be admitted now gets its first token at once (prefill only); otherwise run the batch
+        admit = bool(engine.waiting) and len(engine.running) < engine.max_batch
+        batch = min(engine.max_batch, len(engine.running) + len(engine.waiting))  # rows this step runs
+        try:
+            engine.step(0 if admit else self.steps_per_sync)
+        except Exception:  # a failed step (out of memory, ...) fails its rows, not the server
+            logger.exception("server: the engine step failed; failing %d rows", len(active))
+            self.stats["errors"] += 1
+            for request in active.values():
+                engine.cancel(request)
+            self._post([(row, [], "error") for row in active])
+            active.clear()
+            return
+        self.stats["steps"] += 1
+        self.stats["peak_running"] = max(self.stats["peak_running"], batch)
+        updates = []
+        for row, request in list(active.items()):
+            if request.finished:
+                del active[row]
+                self.stats["finished"] += 1
+                updates.append((row, request.output, request.finish_reason))
+            elif len(request.output) > row.published:
+                row.published = len(request.output)
+                updates.append((row, request.output, None))
+        self._post(updates)
+
+    def _post(self, updates):
+        if updates:
+            try:
+                self._loop.call_soon_threadsafe(_deliver, updates)
+            except RuntimeError:  # the loop has closed: nobody is waiting for these rows
+                pass
+
+
+def _deliver(updates):
+    for row, output, reason in updates:
+        row.job.on_update(row, output, reason)
+
+
+# ---- one HTTP request's rows -------------------------------------------------------------------------------------
+
+class Job:
+    """The rows of one HTTP request and the events their updates produce, consumed by the handler."""
+
+    def __init__(self, worker, on_release):
+        self.worker = worker
+        self.rows = []
+        self.events = asyncio.Queue()
+        self.unread = 0  # rows whose last event the handler has not read yet
+        self._on_release = on_release
+
+    def add(self, row):
+        self.rows.append(row)
+        self.unread += 1
+
+    async def next(self):
+        """The next (row, text delta, finish reason or None) event."""
+        row, delta, reason = await self.events.get()
+        if reason is not None:
+            self.unread -= 1
+        return row, delta, reason
+
+    def on_update(self, row, output, reason):
+        """On the loop: the row's ids so far (reason: None while it runs, else the engine's finish reason)."""
+        if row.finished:
+            return
+        row.output = output
+        if reason in ("error", "cancelled"):
+            row.finish_reason = reason
+            self.events.put_nowait((row, "", reason))
+            return
+        delta = row.text.update(output, final=reason is not None)
+        if row.text.stopped:
+            self.worker.cancel([row], count=False)
+            reason = "stop"
+        row.finish_reason = reason
+        if delta or reason is not None:
+            self.events.put_nowait((row, delta, reason))
+
+    def release(self):
+        """Cancels the rows that have not finished (the client went away, the server is stopping); idempotent.
+        Returns how many were cancelled."""
+        if self._on_release is None:
+            return 0
+        unfinished = [row for row in self.rows if not row.finished]
+        for row in unfinished:
+            row.finish_reason = "cancelled"
+        if unfinished:
+            self.worker.cancel(unfinished)
+        self._on_release(self)
+        self._on_release = None
+        return len(unfinished)
+
+    async def wait(self):
+        """Until every row has finished; APIError if one failed."""
+        while self.unread > 0:
+            _, _, reason = await self.next()
+            _raise_failed(reason)
+
+
+def _raise_failed(reason):
+    if reason == "error":
+        raise APIError(500, "the engine failed while generating this completion; see the server log")
+    if reason == "cancelled":
+        raise APIError(503, "the server stopped before this completion finished; retry")
+
+
+# ---- the application ---------------------------------------------------------------------------------------------
+
+def build_app(engine, tokenizer, settings):
+    """The FastAPI application serving engine (its EngineWorker starts and stops with the app's lifespan)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    class JobStream(StreamingResponse):
+        """Server-sent events of a job; its rows are released however the response ends (even unstarted)."""
+
+        def __init__(self, job, content):
+            super().__init__(content, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                cancelled = self.job.release()
+                if cancelled:
+                    logger.info("server: client disconnected mid-stream; cancelled %d rows", cancelled)
+
+    worker = EngineWorker(engine, settings.steps_per_sync)
+    limits = api.Limits(max_new_tokens=settings.max_new_tokens, context=engine.max_seq_len,
+                        vocab_size=tokenizer.vocab_size)
+    eod = tokenizer.eod if engine.eod_id >= 0 else None
+    created = int(time.time())
+    pending = [0]  # rows the handlers started and have not released
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start(asyncio.get_running_loop())
+        logger.info("server: serving %s (context %d tokens, batch %d, max_tokens <= %d)", settings.model_name,
+                    limits.context, engine.max_batch, limits.max_new_tokens)
+        yield
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="Megatron-DeepSpeed BLOOM text generation", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+
+    def error_response(err, megatron=False):
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        body = err.body()
+        if megatron:  # Megatron's CLI prints response.json()["message"]
+            body = {"message": err.message, **body}
+        return JSONResponse(body, status_code=err.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, err):
+        return error_response(err, megatron=request.url.path == "/api")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, err):  # unknown paths, wrong methods
+        message = {404: f"no route {request.url.path}: the server has POST /v1/completions, GET /v1/models, "
+                        "GET /health and PUT /api",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
+        return error_response(APIError(err.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, err):
+        logger.exception("server: %s %s failed", request.method, request.url.path)
+        return error_response(APIError(500, f"internal server error ({type(err).__name__}); see the server log"))
+
+    def authorize(request):
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "Incorrect API key provided: pass the server's --api-key as 'Authorization: Bearer "
+                                "KEY'" if header else "Missing API key: pass the server's --api-key as "
+                                "'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    async def read_json(request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            raise APIError(413, f"the request body ({length} bytes) exceeds this server's limit of "
+                                f"{settings.max_body_bytes} bytes (--max-body-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise APIError(413, f"the request body exceeds this server's limit of {settings.max_body_bytes} "
+                                    "bytes (--max-body-bytes)")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+            raise APIError(400, f"the request body is not valid JSON: {err}") from None
+
+    def check_model(name):
+        if name is not None and name != settings.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{settings.model_name}` "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def release(job):
+        pending[0] -= len(job.rows)
+
+    def start_job(prompt_ids, params, seed, n, stop, include_stop=False):
+        count = len(prompt_ids) * n
+        if not worker.alive:
+            raise APIError(503, "the engine is not running (the server is stopping); retry later")
+        if pending[0] + count > settings.max_pending:
+            raise APIError(503, f"the server is busy ({pending[0]} completions queued or running, --max-pending "
+                                f"{settings.max_pending}); retry later")
+        if seed is None:
+            seed = secrets.randbits(63)
+        job = Job(worker, release)
+        for i, ids in enumerate(prompt_ids):
+            for j in range(n):
+                text = api.IncrementalText(tokenizer.detokenize, eod, stop, include_stop)
+                job.add(Row(job, i * n + j, ids, params, api.row_seed(seed, i * n + j), text))
+        pending[0] += count
+        worker.submit(job.rows)
+        return job
+
+    async def finish(request, job):
+        """Waits for every row of a non-streamed job; False if the client disconnected first (rows cancelled)."""
+        done = asyncio.ensure_future(job.wait())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not done.done():
+                done.cancel()
+            cancelled = job.release()
+        if cancelled:
+            logger.info("server: client disconnected; cancelled %d rows", cancelled)
+            return False
+        done.result()
+        return True
+
+    @app.get("/health")
+    async def health():
+        stats = dict(worker.stats, pending=pending[0])
+        return JSONResponse({"status": "ok" if worker.alive else "stopped", "model": settings.model_name, **stats},
+                            status_code=200 if worker.alive else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return JSONResponse(api.models_body(settings.model_name, created))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        req = api.parse_completion_request(await read_json(request), limits)
+        check_model(req.model)
+        ids = api.tokenize_prompts(req.prompts, tokenizer, limits, req.max_tokens)
+        echo = [p if isinstance(p, str) else tokenizer.detokenize(p) for p in req.prompts] if req.echo else None
+        job = start_job(ids, req.params, req.seed, req.n, req.stop)
+        request_id, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(i) for i in ids)
+
+        def prefix(row):
+            return echo[row.index // req.n] if echo else ""
+
+        def usage():
+            return api.usage_body(prompt_tokens, sum(row.text.tokens for row in job.rows))
+
+        if not req.stream:
+            if not await finish(request, job):
+                return Response(status_code=499)  # nobody is listening
+            choices = [api.choice_body(row.index, prefix(row) + row.text.text, row.finish_reason) for row in job.rows]
+            return JSONResponse(api.completion_body(request_id, now, settings.model_name, choices, usage()))
+
+        async def events():
+            started = set()
+            while job.unread > 0:
+                row, delta, reason = await job.next()
+                if reason in ("error", "cancelled"):
+                    try:
+                        _raise_failed(reason)
+                    except APIError as err:
+                        yield _sse(err.body())
+                    break
+                if row.index not in started:
+                    started.add(row.index)
+                    delta = prefix(row) + delta
+                yield _sse(api.chunk_body(request_id, now, settings.model_name,
+                                          [api.choice_body(row.index, delta, reason)]))
+            else:
+                if req.include_usage:
+                    yield _sse(api.chunk_body(request_id, now, settings.model_name, [], usage()))
+            yield "data: [DONE]\n\n"
+
+        return JobStream(job, events())
+
+    @app.put("/api")
+    async def megatron_api(request: Request):
+        authorize(request)
+        req = api.parse_megatron_request(await read_json(request), limits)
+        ids = api.tokenize_prompts(req.prompts, tokenizer, limits, req.tokens_to_generate, field="prompts",
+                                   tokens_field="tokens_to_generate", prefix_ids=[tokenizer.eod] if req.add_bos else ())
+        job = start_job(ids, req.params, req.seed, 1, req.stop, include_stop=True)
+        if not await finish(request, job):
+            return Response(status_code=499)
+        texts = [prompt + row.text.text for prompt, row in zip(req.prompts, job.rows)]
+        segments = [[tokenizer.detokenize([t]) for t in row.prompt_ids + row.output[:row.text.tokens]]
+                    for row in job.rows]
+        return JSONResponse({"text": texts, "segments": segments, "logprobs": None})
+
+    return app
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _sse(body):
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request):
+    """Returns when the client has gone (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- running it --------------------------------------------------------------------------------------------------
+
+def bind(host, port):
+    """A listening socket on host:port (port 0: a free one); OSError names the address."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(family[4])
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(engine, tokenizer, settings, sock=None):
+    """Serves engine until SIGTERM or SIGINT (then finishes in-flight requests, up to settings.shutdown_timeout
+    seconds) and returns 0. sock: an already bound socket (default: bind settings.host:settings.port)."""
+    import uvicorn
+
+    if sock is None:
+        sock = bind(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    app = build_app(engine, tokenizer, settings)
+    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
+                            timeout_keep_alive=5, server_header=False)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in place (it
+    # restores them first) that is a no-op, so a SIGTERM ends the process with 0 after the graceful shutdown
+    received = []
+    previous = {sig: signal.signal(sig, lambda s, frame: received.append(s)) for sig in (signal.SIGINT,
+                                                                                         signal.SIGTERM)}
+    print(f"serving {settings.model_name} at http://{host if ':' not in host else f'[{host}]'}:{port} "
+          f"(pid {os.getpid()})", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if received:
+        logger.info("server: stopped by %s", ", ".join(signal.Signals(s).name for s in received))
+    return 0

@@ -1,0 +1,231 @@
+"""The server's pure parts: request validation (exact messages, the field named), streamed text deltas (multi-byte
+characters, stop strings), and the engine thread's continuous batching (a row joins a running batch and its
+output equals its solo output)."""
+import asyncio
+
+import pytest
+import torch
+
+from megatron.config import ModelConfig
+from megatron.inference import InferenceEngine, SamplingParams
+from megatron.inference import api
+from megatron.inference.api import APIError, IncrementalText, Limits
+from megatron.inference.server import EngineWorker, Job, Row
+from megatron.model import BloomModel
+from megatron.tokenizer import build_tokenizer
+from tests.launch import TOKENIZER
+
+LIMITS = Limits(max_new_tokens=24, context=32, vocab_size=8000, max_choices=8)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=str(TOKENIZER))
+
+
+def error_of(fn, *args):
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    return info.value.status, info.value.param, info.value.message
+
+
+# ---- POST /v1/completions ----------------------------------------------------------------------------------------
+
+def test_completion_defaults_and_greedy():
+    req = api.parse_completion_request({"prompt": "hi"}, LIMITS)
+    assert req.prompts == ["hi"] and req.max_tokens == 16 and req.n == 1 and not req.stream and req.seed is None
+    assert req.params == SamplingParams(greedy=False, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16)
+    req = api.parse_completion_request({"prompt": ["a", "b"], "max_tokens": 5, "temperature": 0, "top_p": 0.5,
+                                        "top_k": -1, "stop": "\n", "seed": 7, "stream": True,
+                                        "stream_options": {"include_usage": True}, "model": "m", "n": 2,
+                                        "presence_penalty": 0, "logit_bias": {}, "best_of": 2}, LIMITS)
+    assert req.params == SamplingParams(greedy=True, max_new_tokens=5)
+    assert (req.prompts, req.stop, req.seed, req.stream, req.include_usage, req.model, req.n) == (
+        ["a", "b"], ("\n",), 7, True, True, "m", 2)
+    req = api.parse_completion_request({"prompt": [[5, 6], [7]], "temperature": 0.7, "top_k": 3}, LIMITS)
+    assert req.prompts == [[5, 6], [7]] and req.params.top_k == 3 and req.params.temperature == 0.7
+    assert api.parse_completion_request({"prompt": [5, 6]}, LIMITS).prompts == [[5, 6]]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ([1, 2], None, "the request body must be a JSON object (got a JSON list)"),
+    ({"prompt": "x", "max_token": 3}, "max_token", "Unrecognized request argument supplied: max_token"),
+    ({}, "prompt", "prompt is required: a string, a list of strings, a list of token ids or a list of lists of "
+                   "token ids"),
+    ({"prompt": 5}, "prompt", "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                              "of token ids (got int)"),
+    ({"prompt": []}, "prompt", "prompt is an empty list: give at least one prompt"),
+    ({"prompt": ["a", 3]}, "prompt", "prompt must be a string, a list of strings, a list of token ids or a list of "
+                                     "lists of token ids (a list mixes types or holds an empty list)"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1 (got 0)"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens", "max_tokens must be at least 1 (got -3)"),
+    ({"prompt": "x", "max_tokens": 25}, "max_tokens",
+     "max_tokens 25 exceeds this server's limit of 24 tokens (--max-new-tokens-limit)"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "max_tokens must be an integer (got '5')"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens must be an integer (got True)"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature",
+     "temperature must be a number >= 0 (0 decodes greedily) (got 'hot')"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be a number >= 0 (0 decodes greedily) "
+                                                        "(got -1)"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be a number in (0, 1] (1 disables it) (got 0)"),
+    ({"prompt": "x", "top_k": 2.5}, "top_k", "top_k must be an integer (got 2.5)"),
+    ({"prompt": "x", "stop": 3}, "stop", "stop must be a string or a list of strings (got 3)"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop", "stop strings must not be empty"),
+    ({"prompt": "x", "seed": "1"}, "seed", "seed must be an integer (got '1')"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "stream must be true or false (got 'yes')"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream: true"),
+    ({"prompt": "x", "n": 3, "best_of": 5}, "best_of",
+     "best_of must equal n (3) on this server: it does not rank samples (got 5)"),
+    ({"prompt": ["a", "b", "c"], "n": 3}, "n",
+     "the request asks for 9 completions (prompts x n); this server allows at most 8 per request"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs",
+     "logprobs is not supported by this server (no log-probabilities are computed); leave it out"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty",
+     "frequency_penalty is not supported by this server (only 0); leave it out"),
+    ({"prompt": "x", "model": 3}, "model", "model must be a string (got 3)"),
+])
+def test_bad_completion_requests_name_the_field(body, param, message):
+    assert error_of(api.parse_completion_request, body, LIMITS) == (400, param, message)
+
+
+def test_prompts_are_tokenized_and_checked_against_the_context(tokenizer):
+    ids = api.tokenize_prompts(["The cat", [5, 6, 7]], tokenizer, LIMITS, 10)
+    assert ids == [tokenizer.tokenize("The cat"), [5, 6, 7]]
+    assert error_of(api.tokenize_prompts, [""], tokenizer, LIMITS, 4) == (
+        400, "prompt", "prompt is empty (it tokenizes to no tokens); give some text")
+    assert error_of(api.tokenize_prompts, ["a", [9000]], tokenizer, LIMITS, 4) == (
+        400, "prompt", "prompt 1 holds token id 9000, outside the vocabulary [0, 8000)")
+    assert error_of(api.tokenize_prompts, [list(range(32))], tokenizer, LIMITS, 4) == (
+        400, "prompt", "prompt is 32 tokens long; the model's context is 32 tokens (prompt + max_tokens): "
+                       "shorten the prompt")
+    assert error_of(api.tokenize_prompts, [list(range(20))], tokenizer, LIMITS, 13) == (
+        400, "max_tokens", "prompt (20 tokens) plus max_tokens (13) exceeds the model's context of 32 tokens: "
+                           "ask for at most 12 tokens")
+    assert api.tokenize_prompts(["x"], tokenizer, LIMITS, 4, prefix_ids=[2]) == [[2] + tokenizer.tokenize("x")]
+
+
+def test_row_seeds_wrap_like_int64():
+    assert api.row_seed(7, 2) == 9
+    assert api.row_seed(api.INT64_MAX, 1) == api.INT64_MIN
+
+
+# ---- PUT /api ----------------------------------------------------------------------------------------------------
+
+def test_megatron_request():
+    req = api.parse_megatron_request({"prompts": ["a", "b"], "tokens_to_generate": 8, "top_k": 1}, LIMITS)
+    assert req.params == SamplingParams(greedy=True, max_new_tokens=8) and req.seed is None and req.stop == ()
+    req = api.parse_megatron_request({"prompts": ["a"], "top_p": 0.9, "temperature": 0.5, "random_seed": 3,
+                                      "stop_on_eol": True, "add_BOS": True}, LIMITS)
+    assert (req.params.greedy, req.params.temperature, req.params.top_p, req.params.top_k) == (False, 0.5, 0.9, 0)
+    assert (req.seed, req.stop, req.add_bos, req.tokens_to_generate) == (3, ("\n",), True, 24)  # 64, capped
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tokens_to_generate": 4}, "prompts", "prompts argument required: a list of strings"),
+    ({"sentences": ["a"]}, "sentences", "sentences is no longer used; replace it with prompts"),
+    ({"prompts": "a"}, "prompts", "prompts is not a list of strings"),
+    ({"prompts": []}, "prompts", "prompts is empty"),
+    ({"prompts": ["a"] * 9}, "prompts", "Maximum number of prompts is 8"),
+    ({"prompts": ["a"], "tokens_to_generate": 0}, "tokens_to_generate",
+     "tokens_to_generate must be an integer greater than 0 (got 0)"),
+    ({"prompts": ["a"], "tokens_to_generate": 25}, "tokens_to_generate",
+     "tokens_to_generate 25 exceeds this server's limit of 24 tokens (--max-new-tokens-limit)"),
+    ({"prompts": ["a"], "temperature": 0}, "temperature",
+     "temperature must be a positive number less than or equal to 100.0 (got 0)"),
+    ({"prompts": ["a"], "top_k": 5, "top_p": 0.5}, "top_p", "cannot set both top-k and top-p samplings."),
+    ({"prompts": ["a"], "logprobs": True}, "logprobs",
+     "logprobs is not supported by this server; leave it out or set it to false"),
+    ({"prompts": ["a"], "beam_width": 2}, "beam_width", "beam search is not supported by this server; leave "
+                                                       "beam_width out"),
+    ({"prompts": [""]}, "prompts", "Empty prompts require add_BOS=true"),
+    ({"prompts": ["a"], "random_seed": -1}, "random_seed", "random_seed must be at least 0 (got -1)"),
+])
+def test_bad_megatron_requests(body, param, message):
+    assert error_of(api.parse_megatron_request, body, LIMITS) == (400, param, message)
+
+
+# ---- streamed text -----------------------------------------------------------------------------------------------
+
+def feed(text_state, ids, step=1, eod_at_end=False):
+    """Feeds ids in steps (the last update final) and returns the deltas."""
+    deltas = []
+    for end in range(step, len(ids) + step, step):
+        final = end >= len(ids)
+        deltas.append(text_state.update(ids[:end] + ([2] if final and eod_at_end else []), final=final))
+        if text_state.text is not None:
+            break
+    return deltas
+
+
+def test_deltas_of_multibyte_text_concatenate_exactly(tokenizer):
+    text = "naïve café — 日本語 ✓ ok"
+    ids = tokenizer.tokenize(text)
+    partial = [k for k in range(1, len(ids)) if tokenizer.detokenize(ids[:k]).endswith(api.REPLACEMENT)]
+    assert len(partial) >= 5  # the test crosses many unfinished characters
+    for step in (1, 2, 3):
+        state = IncrementalText(tokenizer.detokenize, eod_id=2)
+        deltas = feed(state, ids, step, eod_at_end=True)
+        assert "".join(deltas) == state.text == text
+        assert not any(api.REPLACEMENT in d for d in deltas)
+        assert state.tokens == len(ids) + 1 and not state.stopped  # the eod counts
+
+
+def test_stop_strings_cut_the_text_and_never_leak(tokenizer):
+    text = "Hello world, hello there, hello again"
+    ids = tokenizer.tokenize(text)
+    for stop, include, expected in ((["lo th", "again"], False, "Hello world, hel"),
+                                    (["zzz", ", hello a"], False, "Hello world, hello there"),
+                                    (["there"], True, "Hello world, hello there")):
+        k = next(k for k in range(1, len(ids) + 1) if any(s in tokenizer.detokenize(ids[:k]) for s in stop))
+        for step in (1, 4):
+            state = IncrementalText(tokenizer.detokenize, eod_id=2, stop=stop, include_stop=include)
+            deltas = feed(state, ids, step)
+            assert state.text == expected and "".join(deltas) == expected
+            assert state.stopped and state.tokens == k
+    state = IncrementalText(tokenizer.detokenize, eod_id=2, stop=["xyz"])
+    assert "".join(feed(state, ids, 3)) == text and not state.stopped and state.tokens == len(ids)
+
+
+def test_a_tail_that_may_start_a_stop_string_is_held_back(tokenizer):
+    ids = tokenizer.tokenize("Hello world")
+    state = IncrementalText(tokenizer.detokenize, stop=["world!"])
+    assert state.update(ids) == "Hello "  # "world" could be the start of "world!"
+    assert state.update(ids + tokenizer.tokenize(" again"), final=True) == "world again"
+
+
+# ---- the engine thread -------------------------------------------------------------------------------------------
+
+def test_worker_admits_a_row_into_the_running_batch_with_its_solo_output():
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=64,
+                         attention_impl="torch", init_method_std=1.0)
+    model = BloomModel(config, parallel_output=False).eval()
+    engine = InferenceEngine(model, max_batch_size=4, max_seq_len=64, kv_bucket=16)
+    long, short = SamplingParams(greedy=True, max_new_tokens=40), SamplingParams(greedy=True, max_new_tokens=6)
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=6)
+    prompts = [[5, 9, 3], [7, 1], [11, 12, 13, 14]]
+    solo = [engine.generate([prompts[0]], long), engine.generate([prompts[1]], short),
+            engine.generate([prompts[2]], sampled, seed=99)]
+
+    async def scenario():
+        worker = EngineWorker(engine, steps_per_sync=2)
+        worker.start(asyncio.get_running_loop())
+        first = Job(worker, lambda job: None)
+        first.add(Row(first, 0, prompts[0], long, 0, IncrementalText(lambda ids: " ".join(map(str, ids)))))
+        worker.submit(first.rows)
+        while len(first.rows[0].output) < 4:  # the first row is decoding
+            await first.next()
+        second = Job(worker, lambda job: None)
+        for i, (p, params, seed) in enumerate([(prompts[1], short, 0), (prompts[2], sampled, 99)]):
+            second.add(Row(second, i, p, params, seed, IncrementalText(lambda ids: " ".join(map(str, ids)))))
+        worker.submit(second.rows)
+        await second.wait()
+        running_meanwhile = not first.rows[0].finished
+        await first.wait()
+        worker.stop()
+        return [first.rows[0].output] + [r.output for r in second.rows], running_meanwhile, worker.stats
+
+    outputs, running_meanwhile, stats = asyncio.run(scenario())
+    assert outputs == [s[0] for s in solo]
+    assert running_meanwhile and stats["peak_running"] == 3 and stats["finished"] == 3 and not stats["cancelled"]

@@ -1,0 +1,161 @@
+"""Serve a checkpoint over HTTP: OpenAI-compatible completions (streaming too) and Megatron's PUT /api.
+
+    python tools/run_text_generation_server.py --load bloom_final [--host 127.0.0.1] [--port 8000] \
+        [--max-batch-size 32] [--max-new-tokens-limit 1024] [--api-key KEY]
+
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "The cat sat on the", "max_tokens": 32, "temperature": 0}'
+
+Endpoints: POST /v1/completions (OpenAI's schema; top_k as an extension; "stream": true sends server-sent events
+ending with "data: [DONE]"), GET /v1/models, GET /health (200 once the model is loaded and the engine runs), and
+PUT /api (Megatron-LM's {"prompts": [...], "tokens_to_generate": n} for tools/text_generation_cli.py).
+
+Requests share one InferenceEngine with continuous batching: up to --max-batch-size completions decode together,
+a new one joins at the next engine step and leaves when done; greedy output does not depend on the batch. The
+server runs in one process on one device (tensor-parallel serving is not supported); it binds to 127.0.0.1
+unless --host says otherwise. SIGTERM or Ctrl-C finish the requests in flight (up to --shutdown-timeout
+seconds) and exit 0.
+"""
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+API_KEY_ENV = "MEGATRON_SERVER_API_KEY"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--load", required=True,
+                        help="checkpoint folder (iter_XXXXXXX), its --save root, or a Hugging Face BLOOM folder")
+    parser.add_argument("--tokenizer-name-or-path", default=None,
+                        help="tokenizer folder (default: the checkpoint's tokenizer/ or the HF folder)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="default: %(default)s; 0: a free port (printed at start)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id of /v1/models and responses (default: the --load folder's name)")
+    parser.add_argument("--max-batch-size", type=int, default=32,
+                        help="completions decoding together (KV-cache slots; default: %(default)s); more wait for "
+                             "a free slot")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="the context: prompt + generated tokens (default: the model's --seq-length)")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=None,
+                        help="the largest max_tokens a request may ask for (default: the context less one)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1 and /api (default: ${API_KEY_ENV}; "
+                             "unset: no key)")
+    parser.add_argument("--steps-per-sync", type=int, default=8,
+                        help="decode steps between the engine's host synchronisations (default: %(default)s; "
+                             "streamed tokens arrive in bursts of this many; larger is faster)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                        help="larger request bodies get 413 (default: %(default)s)")
+    parser.add_argument("--max-pending", type=int, default=1024,
+                        help="completions queued or running at once (default: %(default)s); more get 503")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for requests in flight before cancelling them (default: "
+                             "%(default)s)")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                        help="auto: the stored dtype on GPU, fp32 on CPU")
+    parser.add_argument("--num-partitions", type=int, default=None, help="expected TP size of --load (checked)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="never stop at the end-of-document token (benchmarks: every completion gets max_tokens)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="default: %(default)s; warning hides the access log")
+    return parser.parse_args(argv)
+
+
+def check_args(args):
+    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--steps-per-sync", args.steps_per_sync, 1),
+                             ("--max-body-bytes", args.max_body_bytes, 64), ("--max-pending", args.max_pending, 1),
+                             ("--port", args.port, 0)):
+        if value < low:
+            raise ValueError(f"{flag} {value} must be at least {low}")
+    if args.port > 65535:
+        raise ValueError(f"--port {args.port} must be at most 65535")
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        raise ValueError(f"--max-seq-len {args.max_seq_len} must be at least 2")
+    if args.max_new_tokens_limit is not None and args.max_new_tokens_limit < 1:
+        raise ValueError(f"--max-new-tokens-limit {args.max_new_tokens_limit} must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty; pass a key or leave the flag out")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("the server runs as one process (tensor-parallel serving is not supported); start it with "
+                         "python, not torchrun")
+
+
+def build(args):
+    """(engine, tokenizer, settings) for the parsed arguments: the model loaded onto the device, warmed up."""
+    import torch
+
+    from megatron import checkpoint_tools
+    from megatron.inference import InferenceEngine
+    from megatron.inference.server import ServerSettings
+    from megatron.tokenizer import build_tokenizer
+
+    merged = checkpoint_tools.load_any(args.load, args.num_partitions)
+    tokenizer_dir = args.tokenizer_name_or_path or merged.tokenizer_dir
+    if tokenizer_dir is None:
+        raise ValueError(f"--load {args.load} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
+    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
+    if tokenizer.vocab_size > merged.config.vocab_size:
+        raise ValueError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's "
+                         f"vocabulary holds {merged.config.vocab_size}; pass the tokenizer it was trained with")
+    context = args.max_seq_len or merged.config.seq_length
+    limit = args.max_new_tokens_limit or context - 1
+    if limit >= context:
+        raise ValueError(f"--max-new-tokens-limit {limit} leaves no room for a prompt in the context of {context} "
+                         "tokens; lower it or raise --max-seq-len")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = (merged.dtype if device == "cuda" else torch.float32) if args.dtype == "auto" \
+        else checkpoint_tools.DTYPES[args.dtype]
+    model = checkpoint_tools.build_model(merged, dtype, device=device)
+    engine = InferenceEngine(model, max_batch_size=args.max_batch_size, max_seq_len=context,
+                             eod_id=None if args.ignore_eos else tokenizer.eod, vocab_limit=tokenizer.vocab_size,
+                             cuda_graphs=False if args.no_cuda_graphs else None)
+    with torch.no_grad():
+        engine.warmup()  # CUDA-graph captures of the decode step
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.load))
+    settings = ServerSettings(model_name=name, max_new_tokens=limit, api_key=args.api_key,
+                              steps_per_sync=args.steps_per_sync, max_body_bytes=args.max_body_bytes,
+                              max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout, host=args.host,
+                              port=args.port, log_level=args.log_level)
+    logging.getLogger(__name__).info(
+        "loaded %s: %s, %s, context %d tokens, %d slots", args.load, device, checkpoint_tools.DTYPE_NAMES[dtype],
+        context, args.max_batch_size)
+    return engine, tokenizer, settings
+
+
+def main(argv=None):
+    from megatron.inference import server
+
+    args = parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_args(args)
+        sock = server.bind(args.host, args.port)  # before loading: a taken port fails at once
+    except OSError as err:
+        print(f"error: --host {args.host} --port {args.port}: cannot listen there ({err.strerror or err}); pick "
+              "another --port or stop what holds it", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        engine, tokenizer, settings = build(args)
+    except (ValueError, RuntimeError) as err:
+        sock.close()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return server.serve(engine, tokenizer, settings, sock=sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
