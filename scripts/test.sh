@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests" >&2
