@@ -2,14 +2,14 @@
 # One GPU-machine call for the inference and checkpoint figures: GPU tests, generation speed (with a profile),
 # serving speed, and the 1.72B checkpoint save (size and time). Each part is time-bounded; logs go to $OUT.
 # Usage (device tool, .whl carried): bash benchmarks/device_session.sh [parts...]  (default: all of
-#   tests generation serving checkpoint)
+#   generation tests checkpoint serving, in that order of priority)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-parts=${*:-tests generation serving checkpoint}
+parts=${*:-generation tests checkpoint serving}
 for part in $parts; do
   start=$(date +%s)
   case $part in
@@ -17,7 +17,7 @@ for part in $parts; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1
       tail -6 "$OUT/gpu_tests.log" ;;
     generation)
-      timeout 400 python3 benchmarks/generation_speed.py --device cuda --profile --output "$OUT/generation.json" \
+      timeout 400 python3 benchmarks/generation_speed.py --device cuda --profile --repeats 2 --output "$OUT/generation.json" \
         > "$OUT/generation.log" 2>&1
       grep -v "^\[W" "$OUT/generation.log" | grep -v "^ *$" | head -150 ;;
     serving)
