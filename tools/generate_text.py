@@ -75,7 +75,7 @@ def main(argv=None):
 
     from megatron import checkpoint_tools
     from megatron.inference import InferenceEngine, SamplingParams
-    from megatron.tokenizer import build_tokenizer
+    from megatron.inference.loading import load_checkpoint_and_tokenizer
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -86,14 +86,8 @@ def main(argv=None):
         if args.batch_size < 1:
             raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
         prompts = read_prompts(args)
-        merged = checkpoint_tools.load_any(args.load, args.num_partitions)
-        tokenizer_dir = args.tokenizer_name_or_path or merged.tokenizer_dir
-        if tokenizer_dir is None:
-            raise ValueError(f"--load {args.load} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
-        tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
-        if tokenizer.vocab_size > merged.config.vocab_size:
-            raise ValueError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's "
-                             f"vocabulary holds {merged.config.vocab_size}; pass the tokenizer it was trained with")
+        merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
+                                                          args.tokenizer_name_or_path)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = (merged.dtype if device == "cuda" else torch.float32) if args.dtype == "auto" \
             else checkpoint_tools.DTYPES[args.dtype]

@@ -97,16 +97,10 @@ def build(args):
     from megatron import checkpoint_tools
     from megatron.inference import InferenceEngine
     from megatron.inference.server import ServerSettings
-    from megatron.tokenizer import build_tokenizer
+    from megatron.inference.loading import load_checkpoint_and_tokenizer
 
-    merged = checkpoint_tools.load_any(args.load, args.num_partitions)
-    tokenizer_dir = args.tokenizer_name_or_path or merged.tokenizer_dir
-    if tokenizer_dir is None:
-        raise ValueError(f"--load {args.load} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
-    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
-    if tokenizer.vocab_size > merged.config.vocab_size:
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's "
-                         f"vocabulary holds {merged.config.vocab_size}; pass the tokenizer it was trained with")
+    merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
+                                                      args.tokenizer_name_or_path)
     context = args.max_seq_len or merged.config.seq_length
     limit = args.max_new_tokens_limit or context - 1
     if limit >= context:

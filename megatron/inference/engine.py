@@ -178,7 +178,7 @@ class InferenceEngine:
         for r in admitted:
             if len(r.prompt) > self.prefill_chunk:
                 self._prefill([r])
-        group, padded = [], 0  # batch short prompts together, up to prefill_chunk padded tokens per pass
+        group = []  # batch short prompts together, up to prefill_chunk padded tokens per pass
         for r in sorted(short, key=lambda r: len(r.prompt)):
             if group and (len(group) + 1) * len(r.prompt) > self.prefill_chunk:
                 self._prefill(group)
