@@ -7,6 +7,7 @@
 Writes <output>/iter_0000000/ (weight shards, config.json, meta.json, the tokenizer if the HF folder has one,
 manifest.json) and <output>/latest. The training run must use the same padded vocabulary
 (the HF vocab_size; pass --pad-vocab-size-to <vocab_size> when the tokenizer pads differently).
+The conversion streams: the HF files are read a tensor slice at a time and one output shard is in memory at once.
 """
 import argparse
 import logging
@@ -40,20 +41,19 @@ def main(argv=None):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
         checkpoint_tools.check_output_path(args.output_path, args.force, [args.hf_model_path])
-        merged = checkpoint_tools.read_hf_folder(args.hf_model_path)
-        dtype = checkpoint_tools.resolve_dtype(args.dtype, merged.dtype)
+        reader = checkpoint_tools.HFReader(args.hf_model_path)
+        dtype = checkpoint_tools.resolve_dtype(args.dtype, reader.dtype)
         out = checkpoint_tools.write_megatron_checkpoint(
-            args.output_path, checkpoint_tools.cast_weights(merged.weights, dtype), merged.config,
-            args.target_tensor_parallel_size, args.target_pipeline_parallel_size, iteration=0,
-            run_config=merged.run_config, tokenizer_dir=merged.tokenizer_dir,
-            precision=checkpoint_tools.DTYPE_NAMES[dtype], source=os.path.abspath(args.hf_model_path),
-            force=args.force)
+            args.output_path, reader, reader.config, args.target_tensor_parallel_size,
+            args.target_pipeline_parallel_size, iteration=0, run_config=reader.run_config,
+            tokenizer_dir=reader.tokenizer_dir, precision=checkpoint_tools.DTYPE_NAMES[dtype],
+            source=os.path.abspath(args.hf_model_path), force=args.force, dtype=dtype)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"converted {args.hf_model_path} into {out} (TP {args.target_tensor_parallel_size} x PP "
           f"{args.target_pipeline_parallel_size}, {checkpoint_tools.DTYPE_NAMES[dtype]}, vocab "
-          f"{merged.config.vocab_size}{', with tokenizer' if merged.tokenizer_dir else ', no tokenizer'})")
+          f"{reader.config.vocab_size}{', with tokenizer' if reader.tokenizer_dir else ', no tokenizer'})")
     return 0
 
 

@@ -10,6 +10,9 @@ and the tokenizer, for BloomForCausalLM / AutoTokenizer.from_pretrained(output).
 writes a save root (<output>/iter_XXXXXXX + <output>/latest; or just the folder when --output-path is itself
 named iter_XXXXXXX) with weights only, which `pretrain_bloom.py --load <output>` resumes from (the optimizer
 restarts; iteration and consumed samples carry over).
+
+Both stream: the shards are mapped and read a tensor (or a block of rows) at a time, so the tool holds one block
+of the HF output, or one output shard of a reshard, never the whole model.
 """
 import argparse
 import logging
@@ -54,28 +57,26 @@ def main(argv=None):
                 raise ValueError(f"{flag} {value} must be at least 1")
         max_shard = checkpoint_tools.parse_size(args.max_shard_size)
         checkpoint_tools.check_output_path(args.output_path, args.force, [args.model_path])
-        merged = checkpoint_tools.load_merged_checkpoint(args.model_path, args.num_partitions,
-                                                         verify=not args.no_verify)
-        dtype = checkpoint_tools.resolve_dtype(args.dtype, merged.dtype)
-        weights = checkpoint_tools.cast_weights(merged.weights, dtype)
+        reader = checkpoint_tools.CheckpointReader(args.model_path, args.num_partitions, verify=not args.no_verify)
+        dtype = checkpoint_tools.resolve_dtype(args.dtype, reader.dtype)
         if output_format == "hf":
-            out = checkpoint_tools.write_hf_folder(args.output_path, weights, merged.config, dtype,
-                                                   merged.tokenizer_dir, max_shard, args.force)
+            out = checkpoint_tools.write_hf_folder(args.output_path, reader, reader.config, dtype,
+                                                   reader.tokenizer_dir, max_shard, args.force)
             what = "Hugging Face BLOOM folder"
         else:
             out = checkpoint_tools.write_megatron_checkpoint(
-                args.output_path, weights, merged.config, args.target_tensor_parallel_size,
-                args.target_pipeline_parallel_size, iteration=merged.iteration,
-                consumed_samples=merged.consumed_samples, run_config=merged.run_config,
-                tokenizer_dir=merged.tokenizer_dir, precision=checkpoint_tools.DTYPE_NAMES[dtype],
-                source=merged.folder, force=args.force)
+                args.output_path, reader, reader.config, args.target_tensor_parallel_size,
+                args.target_pipeline_parallel_size, iteration=reader.iteration,
+                consumed_samples=reader.consumed_samples, run_config=reader.run_config,
+                tokenizer_dir=reader.tokenizer_dir, precision=checkpoint_tools.DTYPE_NAMES[dtype],
+                source=reader.folder, force=args.force, dtype=dtype)
             what = (f"checkpoint TP {args.target_tensor_parallel_size} x PP {args.target_pipeline_parallel_size} "
-                    f"(iteration {merged.iteration})")
+                    f"(iteration {reader.iteration})")
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"merged {merged.folder} (TP {merged.tensor_model_parallel_size} x PP "
-          f"{merged.pipeline_model_parallel_size}, {checkpoint_tools.DTYPE_NAMES[merged.dtype]}) into {what} "
+    print(f"merged {reader.folder} (TP {reader.tensor_model_parallel_size} x PP "
+          f"{reader.pipeline_model_parallel_size}, {checkpoint_tools.DTYPE_NAMES[reader.dtype]}) into {what} "
           f"{out} ({checkpoint_tools.DTYPE_NAMES[dtype]})")
     return 0
 

@@ -27,18 +27,23 @@ def prompts(batch, seed=1):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_cuda_graph_greedy_equals_the_eager_reference_path(batch):
-    ours = model()
+def test_cuda_graph_greedy_equals_the_eager_paths(batch):
+    """bf16: the CUDA-graph engine equals its eager run bit for bit (same kernels, replayed). fp32: it equals the
+    reference path (growing cache, the torch attention) token for token; in bf16 the two paths' different
+    attention kernels round differently, and a random model's near-ties then flip greedy choices."""
     ps = prompts(batch)
     params = SamplingParams(greedy=True, max_new_tokens=64)
+    ours = model()
     fast = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, kv_bucket=64)
     assert fast.cuda_graphs
     got = fast.generate(ps, params)
+    eager = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, kv_bucket=64, cuda_graphs=False)
+    assert got == eager.generate(ps, params)
+
+    ours = ours.float()
+    got = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, kv_bucket=64).generate(ps, params)
     want = [reference_generate(ours, [p], params, eod_id=-1, pad_id=0)[0] for p in ps]
-    agree = sum(g == w for g, w in zip(got, want))
-    assert agree == batch, [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-                            for g, w in zip(got, want)]
-    assert all(len(set(g)) > 8 for g in got)
+    assert got == want, [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
 
 
 def test_cuda_graphs_change_nothing_also_when_sampling():

@@ -2,6 +2,7 @@
 
 Each training run happens once per module (fixtures); the bad-input cases call the tools' main() in-process.
 """
+import errno
 import glob
 import importlib.util
 import json
@@ -310,15 +311,20 @@ def test_existing_output_needs_force(small_copy, tmp_path, capsys):
 
 
 def test_failure_while_writing_leaves_nothing(small_copy, tmp_path, capsys, monkeypatch):
-    import safetensors.torch
+    """The disk fills up after the first tensor of the safetensors file: one error line, nothing left behind."""
+    write = checkpoint_tools.SafetensorsWriter.write
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("disk full (simulated)")
+    def fills_up(self, block):
+        if self.index > 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, block)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    monkeypatch.setattr(checkpoint_tools.SafetensorsWriter, "write", fills_up)
     out = tmp_path / "half"
     assert load_tool("merge_mp_partitions").main(["--model-path", str(small_copy), "--output-path", str(out)]) == 2
-    assert "disk full" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --output-path {out}: writing failed ([Errno 28] No space left on device); check the free "
+                   "space and permissions there or choose another folder"), err
     assert not out.exists() and not glob.glob(str(tmp_path / ".half.tmp*"))
 
 
