@@ -9,6 +9,10 @@ Layout of <save>/iter_0000100/ (written under <save>/.tmp_iter_0000100/ and rena
                             state_dict() (fp32 master weights under bf16/fp16, Adam's moments, the loss scaler;
                             a ZeRO partition per DP rank, one file for the DP group when the state is replicated),
                             the LR schedule's position and the engine's step counters. No model weights.
+    index_tp00_pp000_dp00000.json
+                            beside each optimizer file: where each parameter's state (fp32 master, Adam's
+                            moments) lies in it, under BloomModel's names, with the partition dim its
+                            tensor-parallel layer sets (megatron/checkpoint_format.py); no tensors
     rng_rank00000.pt        per-rank CPU/CUDA/model-parallel RNG states
     tokenizer/              the tokenizer, saved with save_pretrained
     config.json             the resolved run config
@@ -23,6 +27,14 @@ the first stage on load. Per parameter: 4 + 8 bytes (fp32 weights + Adam's two m
 weights + fp32 master weights + Adam), plus ZeRO's alignment padding and the files' headers.
 Checkpoints written before this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and
 still load through engine.load_checkpoint.
+
+Resuming on another layout (TP, PP, DP or ZeRO stage differ; same precision): the weights are merged along each
+tensor's partition dim and re-split for this run's TP rank; the optimizer state is read per parameter through
+the index files, whatever wrapper wrote it, and written into this run's wrapper (engine_state.
+restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
+over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts. The same
+layout keeps the exact path (each rank's optimizer file loaded into the same wrapper). Checkpoints without index
+files (written before it), or a precision change, load the weights alone and restart the optimizer (a warning).
 
 <save>/latest holds the tag of the newest complete checkpoint (DeepSpeed's format) and is replaced atomically.
 
@@ -45,7 +57,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megatron import engine_state
+from megatron import checkpoint_format, engine_state
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -137,6 +149,16 @@ def _torch_save_synced(obj, path):
         f.flush()
         os.fsync(f.fileno())
     return {"size": stream.size, "crc32": stream.crc32}
+
+
+def _write_text_synced(text, path):
+    """text to path, flushed and fsynced; returns the file's manifest entry {"size", "crc32"}."""
+    data = text.encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def write_manifest(folder, iteration, known=None):
@@ -247,17 +269,19 @@ def _gathered(module, zero_stage):
 
 
 def model_shard(module, num_layers, zero_stage=0):
-    """{"weights": canonical name -> CPU tensor, "partition_dims": name -> dim or None} for this rank."""
+    """{"weights": canonical name -> CPU tensor, "partition_dims": name -> dim or None} for this rank (the dim
+    along which the owning tensor-parallel layer splits the tensor, recorded at every TP size)."""
     from megatron.model.pipeline import canonical_name, is_pipeline_module
     state = parallel_state.get_parallel_state()
     weights, dims = {}, {}
+    split_dims = engine_state.partition_dims(module)
     with _gathered(module, zero_stage):
         for name, param in module.named_parameters():
             canonical = canonical_name(name, num_layers) if is_pipeline_module(module) else name
             if canonical is None or (canonical.startswith("embedding.") and state.pp_rank != 0):
                 continue
             weights[canonical] = param.detach().to("cpu", copy=True)
-            dims[canonical] = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            dims[canonical] = split_dims.get(id(param))
     return {"weights": weights, "partition_dims": dims}
 
 
@@ -375,8 +399,12 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
             saved = engine_state.collect(engine, config.precision.name, state.dp_rank)
             if saved is not None:
                 name = optimizer_state_name(state.tp_rank, state.pp_rank, state.dp_rank)
+                step, params = engine_state.parameter_index(engine, saved, config.model.num_layers, state.pp_rank)
                 written[name] = _torch_save_synced(saved, os.path.join(tmp, name))
                 del saved
+                name = checkpoint_format.index_name(state.tp_rank, state.pp_rank, state.dp_rank)
+                written[name] = _write_text_synced(checkpoint_format.index_text(step, params),
+                                                   os.path.join(tmp, name))
         shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage)
         if state.dp_rank == 0:
             name = shard_name(state.tp_rank, state.pp_rank)
@@ -495,28 +523,42 @@ def read_meta(folder):
 
 
 def load_model_weights(module, folder, num_layers, zero_stage=0):
-    """Loads our canonical shards of this TP rank. With the checkpoint's PP size: the stage's own file and stage
-    0's (the tied embedding); with another PP size, every stage's file (the names are the whole model's)."""
+    """Loads our canonical shards into this rank's module. With the checkpoint's TP and PP sizes: the stage's own
+    file and stage 0's (the tied embedding); with another PP size, every stage's file (the names are the whole
+    model's); with another TP size, every TP rank's files, each tensor's slices concatenated along the partition
+    dim the shard records and this rank's slice cut out (checkpoint_format.target_slice)."""
     from megatron.model.pipeline import load_canonical_state_dict
     state = parallel_state.get_parallel_state()
     meta = read_meta(folder)
-    saved_tp = meta.get("tensor_model_parallel_size") or state.tensor_model_parallel_size
+    tp = state.tensor_model_parallel_size
+    saved_tp = meta.get("tensor_model_parallel_size") or tp
     saved_pp = meta.get("pipeline_model_parallel_size") or state.pipeline_model_parallel_size
-    if saved_tp != state.tensor_model_parallel_size:
-        raise CheckpointError(
-            f"--load {folder}: saved with --tensor-model-parallel-size {saved_tp}, this run has "
-            f"{state.tensor_model_parallel_size}; reshard it first: python tools/merge_mp_partitions.py --model-path "
-            f"{folder} --output-format megatron --target-tensor-parallel-size {state.tensor_model_parallel_size} "
-            f"--target-pipeline-parallel-size {state.pipeline_model_parallel_size} --output-path NEW_FOLDER, then "
-            "--load NEW_FOLDER")
     stages = sorted({0, state.pp_rank}) if saved_pp == state.pipeline_model_parallel_size else range(saved_pp)
-    weights = {}
+    tp_ranks = [state.tp_rank] if saved_tp == tp else range(saved_tp)
+    pieces, dims = {}, {}
     for pp in stages:
-        path = os.path.join(folder, shard_name(state.tp_rank, pp))
-        if not os.path.isfile(path):
-            raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load another "
-                                  "one)")
-        weights.update(torch.load(path, map_location="cpu", weights_only=True)["weights"])
+        for t in tp_ranks:
+            path = os.path.join(folder, shard_name(t, pp))
+            if not os.path.isfile(path):
+                raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load "
+                                      "another one)")
+            shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for name, tensor in shard["weights"].items():
+                pieces.setdefault(name, {})[t] = tensor
+                dims[name] = shard["partition_dims"].get(name)
+    weights = {}
+    live_dims = engine_state.canonical_partition_dims(module, num_layers) if saved_tp != tp else {}
+    for name, by_rank in pieces.items():
+        if saved_tp == tp:
+            weights[name] = by_rank[state.tp_rank]
+            continue
+        dim = dims[name] if dims[name] is not None else live_dims.get(name)  # older TP-1 shards record none
+        whole = torch.cat([by_rank[t] for t in range(saved_tp)], dim) if dim is not None else by_rank[0]
+        try:
+            weights[name] = checkpoint_format.target_slice(whole, dim, tp, state.tp_rank)
+        except ValueError as err:
+            raise CheckpointError(f"--load {folder}: {name} cannot be split for --tensor-model-parallel-size "
+                                  f"{tp} ({err}); pick a TP size that divides it") from None
     if zero_stage == 3:
         import deepspeed
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
@@ -557,7 +599,13 @@ def load_checkpoint(engine, config):
                    meta["data_parallel_size"] == state.data_parallel_size and
                    meta.get("zero_stage", config.training.zero_stage) == config.training.zero_stage and
                    meta.get("precision", config.precision.name) == config.precision.name)
-    if ckpt.finetune or not same_layout:
+    layout_change = not ckpt.finetune and not same_layout and not ckpt.no_load_optim and \
+        _has_parameter_index(folder, meta, config)
+    if layout_change:
+        load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+        _restore_on_new_layout(engine, folder, meta, config)
+        _warn_schedule_change(engine, folder, config)
+    elif ckpt.finetune or not same_layout:
         load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
         engine_state.refresh_master_weights(engine)
         if ckpt.finetune:
@@ -576,17 +624,59 @@ def load_checkpoint(engine, config):
         else:
             load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
             schedule_restored = load_engine_state(engine, folder, load_optimizer=not ckpt.no_load_optim) is not None
-        scheduler = getattr(engine, "lr_scheduler", None)
-        if schedule_restored and scheduler is not None and state.rank == 0:
-            message = schedule_change_message(_read_saved_config(folder), config, scheduler.num_steps)
-            if message:
-                _warn_once("%s", message)
+        if schedule_restored:
+            _warn_schedule_change(engine, folder, config)
     rng_path = os.path.join(folder, f"rng_rank{state.rank:05d}.pt")
     rng = None
-    if not ckpt.no_load_rng and os.path.isfile(rng_path):
+    if not ckpt.no_load_rng and not layout_change and os.path.isfile(rng_path):
         rng = torch.load(rng_path, map_location="cpu", weights_only=False)
     logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
     return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
+
+
+def _warn_schedule_change(engine, folder, config):
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and parallel_state.get_parallel_state().rank == 0:
+        message = schedule_change_message(_read_saved_config(folder), config, scheduler.num_steps)
+        if message:
+            _warn_once("%s", message)
+
+
+def layout_text(tp, pp, dp, zero, precision):
+    return f"TP {tp}, PP {pp}, DP {dp}, ZeRO {zero}, {precision}"
+
+
+def _has_parameter_index(folder, meta, config):
+    """True when the checkpoint can resume on this run's layout with its optimizer state: it holds the engine
+    state with per-parameter index files (checkpoint_format) and was trained in the same precision."""
+    return bool(meta.get("deepspeed_state") and meta.get("engine_state_version") and
+                meta.get("precision") == config.precision.name and
+                os.path.isfile(os.path.join(folder, checkpoint_format.index_name(0, 0, 0))))
+
+
+def _restore_on_new_layout(engine, folder, meta, config):
+    """The optimizer state, step count, LR schedule position and step counters of a checkpoint saved on another
+    layout (TP, PP, DP, ZeRO stage), per parameter through its index files. The module holds the weights."""
+    state = parallel_state.get_parallel_state()
+    before = layout_text(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
+                         meta["data_parallel_size"], meta.get("zero_stage"), meta.get("precision"))
+    now = layout_text(state.tensor_model_parallel_size, state.pipeline_model_parallel_size,
+                      state.data_parallel_size, config.training.zero_stage, config.precision.name)
+    try:
+        source = checkpoint_format.SavedOptimizer(folder, meta)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"--load {folder}: its per-parameter optimizer index is unreadable ({err}); load "
+                              "another checkpoint, or pass --no-load-optim to resume from the weights alone") from None
+    try:
+        engine_state.restore_from_parameters(engine, source, config.model.num_layers, state.pp_rank,
+                                             state.tensor_model_parallel_size, state.tp_rank)
+    except ValueError as err:
+        raise CheckpointError(f"--load {folder}: {err}") from None
+    saved = _read_engine_state(folder, 0, 0, 0)
+    engine_state.restore_counters(engine, saved)
+    engine_state.restore_loss_scale(engine, saved)
+    _warn_once("resuming on another layout: the checkpoint was trained on %s, this run is %s (weights, optimizer "
+               "state, LR schedule, loss scale and data position carried over; RNG states restart)", before, now)
 
 
 def _warn_once(message, *args):

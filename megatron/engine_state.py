@@ -17,6 +17,12 @@ Replicated state is collected on DP rank 0 only. Two things would otherwise be s
   the first stage's (its gradient is all-reduced over the pair): the copy's optimizer state (fp32 master,
   Adam moments) is left out of the last stage's file and sent from the first stage after loading.
 
+parameter_index() says where each parameter's state lies in the saved dict (megatron/checkpoint_format.py writes
+it beside the file); restore_from_parameters() writes per-parameter state read on any layout into any wrapper
+(DeepSpeed's safe_set_full_fp32_param / safe_set_full_optimizer_state for ZeRO 1-3 and BF16_Optimizer, whose
+Adam state is created first as its first step would; the state dicts of torch's AdamW and FP16_UnfusedOptimizer
+directly).
+
 This replaces engine.save_checkpoint/load_checkpoint, which also write the module's weights (a second copy of the
 model shards) and, for BF16_Optimizer without ZeRO (bf16 with pipeline parallelism), store its state twice and
 then cannot load it: the engine hands BF16_Optimizer.load_state_dict the state of one rank where it indexes a
@@ -331,3 +337,237 @@ def _sync_tied_copies(engine):
             master = _live_state(optimizer, param)["fp32"]
             master.data.copy_(place.pop("fp32"))
             optimizer.optimizer.state[master] = place
+
+
+# ---------------------------------------------------------------- per-parameter index, resuming on another layout
+
+
+def _canonical_params(engine, num_layers, pp_rank, include_tied_copies):
+    """[(canonical name, param)] of this rank's module (BloomModel names); the last stage's tied embedding copy
+    only with include_tied_copies (it holds the first stage's state)."""
+    from megatron.model.pipeline import canonical_name, is_pipeline_module
+    module = engine.module
+    found = []
+    for name, param in module.named_parameters():
+        canonical = canonical_name(name, num_layers) if is_pipeline_module(module) else name
+        if canonical is None:
+            continue
+        if canonical.startswith("embedding.") and pp_rank != 0 and not include_tied_copies:
+            continue
+        found.append((canonical, param))
+    return found
+
+
+def partition_dims(module):
+    """{id(param): the dim along which the tensor-parallel layer owning param splits it, None where every TP rank
+    holds all of it}, whatever this run's TP size: the layers set `partition_dim` on their split parameters
+    (megatron/core/tensor_parallel/layers.py; `tensor_model_parallel` only when TP > 1). RowParallelLinear's
+    bias carries a `partition_dim` too but is whole on every rank."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    dims = {}
+    for layer in module.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            for name, param in layer.named_parameters(recurse=False):
+                replicated = isinstance(layer, RowParallelLinear) and name == "bias"
+                dims[id(param)] = None if replicated else param.partition_dim
+    return dims
+
+
+def canonical_partition_dims(module, num_layers):
+    """{canonical name: partition dim} of this rank's module (partition_dims under BloomModel's names)."""
+    from megatron.model.pipeline import canonical_name, is_pipeline_module
+    dims = partition_dims(module)
+    out = {}
+    for name, param in module.named_parameters():
+        canonical = canonical_name(name, num_layers) if is_pipeline_module(module) else name
+        if canonical is not None:
+            out[canonical] = dims.get(id(param))
+    return out
+
+
+def _step_of(states):
+    for entry in states:
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if step is not None:
+            return float(step)
+    return None
+
+
+def parameter_index(engine, saved, num_layers, pp_rank):
+    """(step, {canonical name: entry}) saying where each parameter's state lies in collect()'s dict `saved`
+    (megatron/checkpoint_format.py describes the entries). Local, no collective."""
+    optimizer = engine.optimizer
+    state = saved["optimizer"]
+    dropped = saved["fp32_master_from_weights"]
+    removed = saved["tied_removed"] or {}
+    params = {}
+
+    dims = partition_dims(engine.module)
+
+    def add(name, param, shape, piece):
+        entry = params.setdefault(name, {"shape": list(shape), "partition_dim": dims.get(id(param)), "pieces": []})
+        entry["pieces"].append(piece)
+
+    named = _canonical_params(engine, num_layers, pp_rank, include_tied_copies=False)
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: each parameter partitioned on its own
+        inner = optimizer.optimizer
+        optimizer._set_fp32_optimizer_param_groups()
+        try:
+            flats = [p for group in inner.param_groups for p in group["params"]]
+        finally:
+            optimizer._clear_fp32_optimizer_param_groups()
+        numbers = {id(flat): i for i, flat in enumerate(flats)}
+        for name, param in named:
+            sub, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
+            start = optimizer._get_param_partition_rank(param) * count
+            numel = max(0, min(count, param.ds_numel - start))
+            if numel == 0:
+                continue
+            number = numbers[id(optimizer.fp32_partitioned_groups_flat[sub])]
+            add(name, param, param.ds_shape, {
+                "state": ["optimizer_state_dict", "state", number],
+                "fp32": None if dropped else ["fp32_flat_groups", sub],
+                "offset": offset, "start": start, "numel": numel})
+        step = _step_of(state["optimizer_state_dict"]["state"].values())
+    elif any(hasattr(p, "_hp_mapping") for _, p in named):  # BF16_Optimizer, ZeRO 1/2: flat partitions
+        spans = removed.get("ranges", {}) if removed.get("kind") == "flat" else {}
+        for name, param in named:
+            mapping = param._hp_mapping
+            if mapping is None:  # no fragment of param in this DP rank's partition
+                continue
+            group = mapping.param_group_index
+            offset = mapping.hp_fragment_address.start
+            offset -= sum(numel for begin, numel in spans.get(group, ()) if begin < offset)  # the tied copy's cut
+            add(name, param, param.shape, {
+                "state": ["base_optimizer_state", "state", group],
+                "fp32": None if dropped else ["single_partition_of_fp32_groups", group],
+                "offset": offset, "start": mapping.lp_fragment_address.start,
+                "numel": mapping.lp_fragment_address.numel})
+        step = _step_of(state["base_optimizer_state"]["state"].values())
+    elif isinstance(optimizer, torch.optim.Optimizer):  # fp32 without ZeRO: torch's AdamW, weights are the master
+        order = [group["params"] for group in optimizer.param_groups]
+        for name, param in named:
+            number = _param_index(order, param)
+            if number in state["state"]:
+                add(name, param, param.shape, {"state": ["state", number], "fp32": None, "offset": 0, "start": 0,
+                                               "numel": param.numel()})
+        step = _step_of(state["state"].values())
+    else:  # FP16_UnfusedOptimizer: an fp32 copy per parameter
+        groups = optimizer.fp16_groups
+        inner = state["optimizer_state_dict"]["state"]
+        for name, param in named:
+            g, j = next((g, j) for g, group in enumerate(groups) for j, p in enumerate(group) if p is param)
+            number = _param_index(groups, param)
+            if number in inner:
+                add(name, param, param.shape, {"state": ["optimizer_state_dict", "state", number],
+                                               "fp32": ["fp32_groups", g, j], "offset": 0, "start": 0,
+                                               "numel": param.numel()})
+        step = _step_of(inner.values())
+    return step, params
+
+
+def _fresh_adam_state(inner, tensor, step):
+    """Adam's state for tensor in torch's optimizer `inner`, created as its first step would (zero moments)."""
+    entry = inner.state[tensor]
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in entry:
+            entry[key] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
+    entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+    return entry
+
+
+def restore_from_parameters(engine, source, num_layers, pp_rank, tp, tp_rank):
+    """Writes a checkpoint's per-parameter optimizer state (checkpoint_format.SavedOptimizer, any layout) into this
+    rank's optimizer wrapper: for each local parameter, its new TP slice of the fp32 master weights (where the
+    wrapper keeps them; fp32 runs take the loaded weights) and of Adam's moments, and the step count. The module
+    must hold the checkpoint's weights already. Local, no collective. Returns how many parameters were set."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from megatron.checkpoint_format import KEYS, target_slice
+    optimizer = engine.optimizer
+    step = source.step
+    refresh_master_weights(engine)  # the fp32 master from the loaded weights; replaced below where saved
+    if step is None:  # saved before any optimizer step: nothing but the weights to carry
+        return 0
+    named = _canonical_params(engine, num_layers, pp_rank, include_tied_copies=True)
+    missing = sorted(n for n, _ in named if n not in source.entries)
+    if missing:
+        raise ValueError(f"its optimizer index holds no state for {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''} (a checkpoint of another model?)")
+    with_fp32 = source.has_fp32()
+
+    live_dims = canonical_partition_dims(engine.module, num_layers)
+
+    def piece(name, key):
+        dim = source.partition_dim(name)
+        dim = live_dims.get(name) if dim is None else dim  # checkpoints that recorded no dim at TP 1
+        return target_slice(source.full(name, key, dim), dim, tp, tp_rank)
+
+    if hasattr(optimizer, "fp32_partitioned_groups_flat") or hasattr(optimizer, "bit16_groups") or \
+            hasattr(optimizer, "bf16_groups"):  # ZeRO-3, ZeRO 1/2, BF16_Optimizer: flat fp32 partitions
+        inner = optimizer.optimizer
+        flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or \
+            [p for group in inner.param_groups for p in group["params"]]
+        for flat in flats:
+            _fresh_adam_state(inner, flat, step)
+        if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
+        for name, param in named:
+            if with_fp32:
+                safe_set_full_fp32_param(param, piece(name, "fp32").to(param.device))
+            for key in KEYS:
+                safe_set_full_optimizer_state(param, piece(name, key).to(param.device), key)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        for name, param in named:
+            optimizer.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                      **{key: piece(name, key).to(param) for key in KEYS}}
+    else:  # FP16_UnfusedOptimizer
+        masters = {id(p): optimizer.fp32_groups[g][j] for g, group in enumerate(optimizer.fp16_groups)
+                   for j, p in enumerate(group)}
+        for name, param in named:
+            master = masters[id(param)]
+            if with_fp32:
+                master.data.copy_(piece(name, "fp32"))
+            optimizer.optimizer.state[master] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                                 **{key: piece(name, key).to(master) for key in KEYS}}
+    return len(named)
+
+
+def restore_counters(engine, saved):
+    """The engine's step counters and the LR schedule's position from a collect() dict (layout-independent)."""
+    engine.global_steps = saved["global_steps"]
+    engine.global_samples = saved["global_samples"]
+    engine.skipped_steps = saved["skipped_steps"]
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and saved["lr_scheduler"] is not None:
+        scheduler.load_state_dict(saved["lr_scheduler"])
+
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _scaler_of(optimizer):
+    """The object holding an fp16 wrapper's loss-scale state (ZeRO's loss_scaler, FP16_(Unfused)Optimizer's
+    loss_scale_config), or None (fp32, bf16)."""
+    for attr in ("loss_scaler", "loss_scale_config"):
+        scaler = getattr(optimizer, attr, None)
+        if scaler is not None and hasattr(scaler, "cur_scale"):
+            return scaler
+    return None
+
+
+def restore_loss_scale(engine, saved):
+    """The dynamic loss scaler's position (scale, iterations since the last overflow) from a collect() dict
+    written by any fp16 wrapper into this run's (another layout may use another wrapper). Returns the scale set,
+    or None where there is nothing to carry (fp32, bf16)."""
+    target = _scaler_of(engine.optimizer)
+    state = saved["optimizer"]
+    source = state.get("loss_scaler") if isinstance(state, dict) else None
+    values = {f: getattr(source, f) for f in _SCALER_FIELDS if hasattr(source, f)} if source is not None else \
+        {f: state[f] for f in _SCALER_FIELDS if isinstance(state, dict) and f in state}
+    if target is None or "cur_scale" not in values:
+        return None
+    for field, value in values.items():
+        if hasattr(target, field):
+            setattr(target, field, value)
+    return values["cur_scale"]

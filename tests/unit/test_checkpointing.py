@@ -183,8 +183,16 @@ def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, singl
     monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
     engine = FakeEngine(steps=2)
     folder = checkpointing.save_checkpoint(engine, fake_config(tmp_path), 2, 16)
-    assert sorted(os.listdir(folder)) == ["config.json", "manifest.json", "meta.json", "model_tp00_pp000.pt",
-                                          "optimizer_tp00_pp000_dp00000.pt", "rng_rank00000.pt"]
+    assert sorted(os.listdir(folder)) == ["config.json", "index_tp00_pp000_dp00000.json", "manifest.json",
+                                          "meta.json", "model_tp00_pp000.pt", "optimizer_tp00_pp000_dp00000.pt",
+                                          "rng_rank00000.pt"]
+    with open(os.path.join(folder, "index_tp00_pp000_dp00000.json")) as f:
+        index = json.load(f)
+    assert index == {"version": 1, "step": 2.0, "params": {  # where each parameter's state lies in the .pt
+        "weight": {"shape": [4, 4], "partition_dim": None, "pieces": [
+            {"state": ["state", 0], "fp32": None, "offset": 0, "start": 0, "numel": 16}]},
+        "bias": {"shape": [4], "partition_dim": None, "pieces": [
+            {"state": ["state", 1], "fp32": None, "offset": 0, "start": 0, "numel": 4}]}}}
     saved = torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"), weights_only=False)
     assert saved["optimizer_class"] == "AdamW" and saved["lr_scheduler"]["num_steps"] == 2
     assert (saved["global_steps"], saved["global_samples"], saved["skipped_steps"]) == (2, 4, 0)
@@ -280,9 +288,9 @@ def test_fault_spec_parsing():
     TestFaults([TestFaults.parse_one("raise_at=5:rank=1")], rank=0).fire(5, "forward")  # another rank: nothing
 
 
-def test_weights_load_into_another_pipeline_size_and_a_tp_change_names_the_reshard(tmp_path, single_rank):
-    """A PP 2 checkpoint loads into a PP 1 model (every stage's file is read); TP 2 into TP 1 is refused with the
-    command that reshards it."""
+def test_weights_load_into_another_pipeline_size_and_another_tp_size(tmp_path, single_rank):
+    """A PP 2 checkpoint loads into a PP 1 model (every stage's file is read); a TP 2 one too (each tensor's TP
+    slices concatenated along the partition dim its shard records)."""
     from megatron.checkpoint_tools import write_megatron_checkpoint
     from megatron.config import ModelConfig
     from megatron.model import BloomModel
@@ -292,14 +300,69 @@ def test_weights_load_into_another_pipeline_size_and_a_tp_change_names_the_resha
     pp2 = write_megatron_checkpoint(str(tmp_path / "pp2"), weights, config, tp=1, pp=2, iteration=4)
     assert sorted(n for n in os.listdir(pp2) if n.startswith("model_")) == ["model_tp00_pp000.pt",
                                                                            "model_tp00_pp001.pt"]
-    model = BloomModel(config)
-    checkpointing.load_model_weights(model, pp2, config.num_layers)
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, weights[name]), name
     tp2 = write_megatron_checkpoint(str(tmp_path / "tp2"), weights, config, tp=2, pp=1, iteration=4)
-    with pytest.raises(CheckpointError, match=r"^--load .*tp2/iter_0000004: saved with --tensor-model-parallel-size "
-                                              r"2, this run has 1; reshard it first: python tools/merge_mp_partitions"
-                                              r".py --model-path .* --output-format megatron "
-                                              r"--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 "
-                                              r"--output-path NEW_FOLDER, then --load NEW_FOLDER$"):
-        checkpointing.load_model_weights(BloomModel(config), tp2, config.num_layers)
+    for folder in (pp2, tp2):
+        model = BloomModel(config)
+        checkpointing.load_model_weights(model, folder, config.num_layers)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, weights[name]), (folder, name)
+
+
+class TPModule(nn.Module):
+    """A column- then a row-parallel layer (TP 1 here): their parameters' partition dims are 0, 0, 1, None."""
+
+    def __init__(self):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = ColumnParallelLinear(4, 8)
+        self.down = RowParallelLinear(8, 4, input_is_parallel=True)
+
+    def forward(self, x):
+        return self.down(self.up(x)[0])[0]
+
+
+class TPEngine(FakeEngine):
+    def __init__(self, steps=0):
+        super().__init__()
+        from megatron.optimizer import AnnealingLR
+        self.module = TPModule()
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
+        self.lr_scheduler = AnnealingLR(self.optimizer, 1e-3, 1e-4, 1, 10, "cosine")
+        for _ in range(steps):
+            self.module(torch.randn(2, 4)).sum().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += 2
+
+
+def test_per_parameter_restore_equals_the_saved_state_and_records_the_layers_dims(tmp_path, single_rank,
+                                                                                    monkeypatch):
+    """The index names each parameter's partition dim as its layer sets it (also at TP 1); restoring a fresh
+    engine through it (the path a layout change takes) gives the trained optimizer state bit for bit, and the
+    next step is the same step."""
+    from megatron.checkpoint_format import SavedOptimizer
+    monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
+    trained, fresh = TPEngine(steps=3), TPEngine()
+    folder = checkpointing.save_checkpoint(trained, fake_config(tmp_path), 3, 6)
+    meta = {**checkpointing.read_meta(folder), "data_parallel_size": 1}
+    source = SavedOptimizer(folder, meta)
+    assert {name: source.partition_dim(name) for name in source.names()} == {
+        "up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None}
+    assert source.step == 3.0 and not source.has_fp32()
+    checkpointing.load_model_weights(fresh.module, folder, 1)
+    assert engine_state.restore_from_parameters(fresh, source, 1, 0, 1, 0) == 4
+    engine_state.restore_counters(fresh, torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"),
+                                                    weights_only=False))
+    assert (fresh.global_steps, fresh.global_samples, fresh.lr_scheduler.num_steps) == (3, 6, 3)
+    for p, q in zip(trained.module.parameters(), fresh.module.parameters()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(trained.optimizer.state[p][key], fresh.optimizer.state[q][key]), key
+    x = torch.randn(2, 4)
+    for engine in (trained, fresh):
+        engine.module(x).sum().backward()
+        engine.optimizer.step()
+    for p, q in zip(trained.module.parameters(), fresh.module.parameters()):
+        assert torch.equal(p, q)
