@@ -122,12 +122,7 @@ def restore(engine, saved, read_dp_rank=None):
         optimizer.load_state_dict(state, load_optimizer_states=True)
     _event(optimizer, "epilogue")
     _sync_tied_copies(engine)
-    engine.global_steps = saved["global_steps"]
-    engine.global_samples = saved["global_samples"]
-    engine.skipped_steps = saved["skipped_steps"]
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and saved["lr_scheduler"] is not None:
-        scheduler.load_state_dict(saved["lr_scheduler"])
+    restore_counters(engine, saved)
 
 
 def refresh_master_weights(engine):
