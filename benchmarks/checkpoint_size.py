@@ -78,38 +78,38 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
 
-    import pretrain_bloom
-    from megatron import checkpointing
+    from megatron.checkpoint.format import tag_for
+    from megatron.arguments import load_and_resolve
     from megatron.initialize import initialize_distributed, load_kernels, set_random_seeds, setup_logging, \
         shutdown_distributed
-    from megatron.training import pretrain, setup_engine
+    from megatron.data.datasets import build_datasets
+    from megatron.training import Trainer, setup_engine
 
     setup_logging()
-    config, ds_config, tokenizer = pretrain_bloom.resolve_config(flags)
+    config, ds_config, tokenizer = load_and_resolve(flags)
     state = initialize_distributed(config.parallel)
     if dist.get_world_size() > 1:  # every rank saves under rank 0's folder
         root = [config.checkpoint.save]
         dist.broadcast_object_list(root, src=0)
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, save=root[0]))
     load_kernels(config.model)
-    set_random_seeds(config.training.seed, state)
+    set_random_seeds(config.model.seed, state)
     engine, scheduler = setup_engine(config, ds_config, state)
 
     saves = []
-    save_checkpoint = checkpointing.save_checkpoint
 
-    def timed_save(*args, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        folder = save_checkpoint(*args, **kwargs)
-        dist.barrier()
-        saves.append((folder, time.perf_counter() - start))
-        return folder
+    class TimedSaves(Trainer):
+        def save(self):  # the run saves once, after its last iteration
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            super().save()
+            dist.barrier()
+            folder = os.path.join(config.checkpoint.save, tag_for(self.progress.iteration))
+            saves.append((folder, time.perf_counter() - start))
 
-    checkpointing.save_checkpoint = timed_save  # pretrain() saves once, after its last iteration
-    pretrain(config, engine, scheduler, pretrain_bloom.build_datasets(config), tokenizer)
+    TimedSaves(config, state, engine, scheduler, build_datasets(config), tokenizer).train()
     folder, seconds = saves[-1]
     if state.rank == 0:
         line, figures = report(folder, config.model.num_parameters(), seconds, config, state)

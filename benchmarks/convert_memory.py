@@ -29,11 +29,11 @@ sys.path.insert(0, ROOT)
 
 
 class SyntheticReader:
-    """The reader interface of megatron.checkpoint_tools over generated weights: element (i, j) of tensor k is
+    """The reader interface of megatron.checkpoint.convert over generated weights: element (i, j) of tensor k is
     ((31 i + 7 j + 13 k) mod 251) / 251, so any window can be made, and checked, on its own."""
 
     def __init__(self, config, dtype):
-        from megatron.checkpoint_tools import expected_shapes
+        from megatron.checkpoint.format import expected_shapes
         self.shapes, self.dtype = expected_shapes(config), dtype
         self.keys = {name: k for k, name in enumerate(self.shapes)}
 
@@ -118,7 +118,8 @@ def main(argv=None):
 
     import torch
 
-    from megatron import checkpoint_tools
+    from megatron.checkpoint import convert
+    from megatron.checkpoint.format import expected_shapes
     from megatron.config import ModelConfig
 
     baseline = measure(["--imports-only"])
@@ -128,7 +129,7 @@ def main(argv=None):
         config = ModelConfig(num_layers=layers, hidden_size=args.hidden_size,
                              num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                              seq_length=2048)
-        model_bytes = sum(math.prod(shape) * 2 for shape in checkpoint_tools.expected_shapes(config).values())
+        model_bytes = sum(math.prod(shape) * 2 for shape in expected_shapes(config).values())
         free = shutil.disk_usage(args.workdir).free
         if free < 2.1 * model_bytes:
             print(f"error: --workdir {args.workdir} has {gb(free)} free; {layers} layers need about "
@@ -139,7 +140,7 @@ def main(argv=None):
         try:
             source_reader = SyntheticReader(config, torch.bfloat16)
             start = time.perf_counter()
-            source = checkpoint_tools.write_megatron_checkpoint(
+            source = convert.write_megatron_checkpoint(
                 os.path.join(work, "src"), source_reader, config, args.tp, args.pp, precision="bf16",
                 dtype=torch.bfloat16)
             written = time.perf_counter() - start

@@ -73,15 +73,16 @@ def parse_args(argv=None):
 def build_model(args, device, dtype):
     import torch
 
-    from megatron import checkpoint_tools
+    from megatron.checkpoint import convert
+    from megatron.checkpoint.hf import load_any
     from megatron.config import ModelConfig
     from megatron.model import BloomModel
     from megatron.tokenizer import build_tokenizer
 
     if args.load:
-        merged = checkpoint_tools.load_any(args.load)
+        merged = load_any(args.load)
         tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=merged.tokenizer_dir)
-        return checkpoint_tools.build_model(merged, dtype, device=device), tokenizer
+        return convert.build_model(merged, dtype, device=device), tokenizer
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=os.path.join(ROOT, "examples", "tokenizer"))
     torch.manual_seed(0)
     config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,

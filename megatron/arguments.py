@@ -1,13 +1,18 @@
 """Command-line flags (Megatron's names, the BLOOM document's spellings as aliases, DeepSpeed's own).
 
-parse_args() returns the argparse Namespace; build_config() turns it into the typed, frozen Config once.
-Nothing after build_config reads argparse. The flags in REQUIRED may also come from the DeepSpeed JSON (as
-`lr`, `micro_batch_size`, ...: see flags_by_json_key), so they are checked after it is read (check_required).
-A bad command line is reported once per job on one line (ArgumentParser.error), not once per process.
+parse_args() returns the argparse Namespace; resolve() turns it, the loaded DeepSpeed JSON, the checkpoint's
+saved model section and the tokenizer's vocabulary size into the typed, frozen Config and the DeepSpeed dict,
+without changing the Namespace or reading anything; load_and_resolve() does that reading for pretrain_bloom.py
+and the tools. Nothing after resolve reads argparse. The flags in REQUIRED may also come from the DeepSpeed
+JSON (as `lr`, `micro_batch_size`, ...: see flags_by_json_key), so they are checked after it is read
+(check_required). A bad command line is reported once per job on one line (ArgumentParser.error), not once
+per process.
 """
 import argparse
+import dataclasses
 import difflib
 import json
+import logging
 import os
 
 from megatron.config import (ATTENTION_IMPLS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
@@ -20,6 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning")
 JSON_ALIASES = {"warmup_iters": "--lr-warmup-iters"}
 _NOT_FROM_JSON = {"deepspeed", "deepspeed_config", "local_rank"}  # the launcher's business, not the JSON's
 _UNSET = object()
+logger = logging.getLogger(__name__)
 
 
 def _model_flags(parser):
@@ -239,9 +245,9 @@ def json_value_for_flag(action, key, value):
     return converted
 
 
-def check_required(args):
+def check_required(values):
     """REQUIRED flags come from the command line or the DeepSpeed JSON; raises ValueError naming the missing."""
-    missing = [dest for dest in REQUIRED if getattr(args, dest, None) is None]
+    missing = [dest for dest in REQUIRED if values.get(dest) is None]
     if missing:
         flags = ", ".join("--" + dest.replace("_", "-") for dest in missing)
         raise ValueError(f"missing required flags: {flags}; pass them on the command line (or as "
@@ -252,99 +258,95 @@ def world_size_from_env():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _check_data_paths(args):
-    if args.mock_data:
+def _section(cls, values, **derived):
+    """cls from the flag values named like its fields; a None (flag unset) leaves the field's default."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    chosen = {**{k: v for k, v in values.items() if k in names}, **derived}
+    return cls(**{k: v for k, v in chosen.items() if v is not None})
+
+
+def _padded_vocab(values, tokenizer_vocab_size, saved_meta):
+    """(padded vocabulary, the --pad-vocab-size-to in force). Resuming (or fine-tuning) keeps the checkpoint's
+    padded vocabulary, which depends on the TP size it was trained with (128 x TP), instead of padding the
+    tokenizer again for this run's TP size; --pad-vocab-size-to overrides."""
+    if tokenizer_vocab_size is None:
+        if not values["mock_data"]:
+            raise ValueError("no tokenizer vocabulary size: build the tokenizer named by --vocab-file/--merge-file "
+                             "or --tokenizer-name-or-path and pass its vocab_size, or pass --mock-data")
+        tokenizer_vocab_size = values["mock_vocab_size"]
+    tp, pad_to = values["tensor_model_parallel_size"], values["pad_vocab_size_to"]
+    saved = (saved_meta or {}).get("vocab_size") if values["load"] and pad_to is None else None
+    if saved and saved >= tokenizer_vocab_size:
+        if saved % tp != 0:
+            raise ValueError(f"--load {values['load']}: its padded vocabulary ({saved}) is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; pick a TP size that divides it")
+        pad_to = saved
+    return pad_vocab_size(tokenizer_vocab_size, values["make_vocab_size_divisible_by"], tp, pad_to), pad_to
+
+
+def resolve(args, world_size, ds_json=None, saved_meta=None, tokenizer_vocab_size=None, cuda_available=False):
+    """The frozen Config and the DeepSpeed dict from parsed flags, the loaded --deepspeed_config JSON (or None),
+    the checkpoint's saved "model" section (or None; its vocab_size is kept when resuming) and the tokenizer's
+    vocabulary size (None with --mock-data: --mock-vocab-size). Pure: args is not changed, no file is read, no
+    tokenizer is built, nothing is logged. Raises ValueError naming the flags of the first rule broken."""
+    from megatron.deepspeed_config import build_deepspeed_config, merge_json_flags, reconcile
+    user = ds_json or {}
+    values, _ = merge_json_flags(args, user, args.deepspeed_config)
+    backend = values["distributed_backend"] or ("nccl" if cuda_available else "gloo")
+    parallel = _section(ParallelConfig, values, world_size=world_size, distributed_backend=backend)
+    check_required(values)
+    values = reconcile(values, user, parallel.data_parallel_size)
+    vocab_size, pad_to = _padded_vocab(values, tokenizer_vocab_size, saved_meta)
+    model = _section(ModelConfig, values, vocab_size=vocab_size)
+    training = _section(TrainingConfig, values, data_parallel_size=parallel.data_parallel_size)
+    optimizer = _section(OptimizerConfig, values, lr_decay_iters=values["lr_decay_iters"] or training.train_iters)
+    metrics_dir = values["tensorboard_dir"] or values["save"]
+    config = Config(
+        model=model, parallel=parallel, optimizer=optimizer, precision=_section(PrecisionConfig, values),
+        training=training, data=_section(DataConfig, values, data_path=tuple(values["data_path"]),
+                                         pad_vocab_size_to=pad_to),
+        logging=_section(LoggingConfig, values, metrics_file=values["metrics_file"] or (
+            os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None)),
+        checkpoint=_section(CheckpointConfig, values), deepspeed_config=values["deepspeed_config"])
+    return config, build_deepspeed_config(config, user)
+
+
+def check_data_files(data):
+    """Each --data-path prefix names an existing .bin/.idx pair (DataConfig checked the flag's shape)."""
+    if data.mock_data:
         return
-    if not args.data_path:
-        raise ValueError("--data-path is required (the prefix of a .bin/.idx pair made by "
-                         "tools/preprocess_data.py), or pass --mock-data for synthetic tokens")
-    prefixes = args.data_path if len(args.data_path) == 1 else args.data_path[1::2]
-    if len(args.data_path) > 1:
-        if len(args.data_path) % 2 != 0:
-            raise ValueError(f"--data-path with several datasets takes weight prefix pairs; got "
-                             f"{len(args.data_path)} values")
-        for weight in args.data_path[0::2]:
-            try:
-                float(weight)
-            except ValueError:
-                raise ValueError(f"--data-path weight {weight!r} is not a number; write "
-                                 "--data-path 0.7 prefix_a 0.3 prefix_b") from None
-    for prefix in prefixes:
+    for prefix in data.prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist; run "
                                  "tools/preprocess_data.py first or fix the prefix (no .bin/.idx suffix)")
 
 
-def build_config(args, world_size, tokenizer_vocab_size):
-    """Validates every cross-flag rule and returns the frozen Config. Raises ValueError naming the flags."""
-    check_required(args)
-    if args.bf16 and args.fp16:
-        raise ValueError("--bf16 and --fp16 are both set; choose one")
+def load_and_resolve(argv=None, world_size=None):
+    """parse_args + the I/O resolve() leaves to its caller: reads the --deepspeed_config JSON, builds the
+    tokenizer, reads the --load checkpoint's saved model section, checks the data files. world_size defaults
+    to $WORLD_SIZE. Returns (config, DeepSpeed dict, tokenizer or None). Raises ValueError on any bad input."""
+    from megatron.deepspeed_config import load_user_config, log_notes, merge_json_flags
+    from megatron.tokenizer import build_tokenizer, infer_tokenizer_type
+    args = parse_args(argv)
+    user = load_user_config(args.deepspeed_config)
+    values, notes = merge_json_flags(args, user, args.deepspeed_config)  # which tokenizer and checkpoint
+    log_notes(notes)
+    tokenizer = None
+    if not values["mock_data"] or values["vocab_file"] or values["merge_file"] or values["tokenizer_name_or_path"]:
+        tokenizer_type = infer_tokenizer_type(values["tokenizer_type"], values["vocab_file"], values["merge_file"],
+                                              values["tokenizer_name_or_path"])
+        tokenizer = build_tokenizer(tokenizer_type, vocab_file=values["vocab_file"], merge_file=values["merge_file"],
+                                    tokenizer_name_or_path=values["tokenizer_name_or_path"])
+    saved_meta = None
+    if values["load"] and values["pad_vocab_size_to"] is None:
+        from megatron.checkpoint.format import saved_model_config
+        saved_meta = saved_model_config(values["load"])
     import torch
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    parallel = ParallelConfig(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, world_size,
-                              backend, args.distributed_timeout_minutes)
-    if args.pipeline_model_parallel_size > args.num_layers:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} is larger than "
-                         f"--num-layers {args.num_layers}; every stage needs at least one layer")
-    padded_vocab = pad_vocab_size(tokenizer_vocab_size, args.make_vocab_size_divisible_by,
-                                  args.tensor_model_parallel_size, args.pad_vocab_size_to)
-    model = ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=padded_vocab, seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size, layernorm_epsilon=args.layernorm_epsilon,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, embed_layernorm=args.embed_layernorm,
-        position_embedding_type=args.position_embedding_type,
-        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
-        attention_impl=args.attention_impl, checkpoint_activations=args.checkpoint_activations,
-        fused_layernorm=args.fused_layernorm, loss_chunk_size=args.loss_chunk_size,
-        abort_on_unmet_fused_kernel_constraints=args.abort_on_unmet_fused_kernel_constraints,
-        tensor_model_parallel_size=args.tensor_model_parallel_size, seed=args.seed)
-
-    dp = parallel.data_parallel_size
-    global_batch = args.global_batch_size or args.micro_batch_size * dp
-    if args.train_iters is None and args.train_samples is None:
-        raise ValueError("pass --train-iters or --train-samples")
-    if args.train_iters is not None and args.train_samples is not None:
-        raise ValueError("--train-iters and --train-samples are both set; pass one")
-    train_iters = args.train_iters if args.train_iters is not None else args.train_samples // global_batch
-    decay_iters = args.lr_decay_iters or train_iters
-    warmup = args.lr_warmup_iters
-    warmup_iters = int(round(warmup * decay_iters)) if 0 < warmup < 1 else int(warmup)
-    optimizer = OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-        lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters, weight_decay=args.weight_decay,
-        clip_grad=1.0 if args.clip_grad is None else args.clip_grad, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum)
-    precision = PrecisionConfig(bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
-                                initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-                                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
-    training = TrainingConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=global_batch, data_parallel_size=dp,
-        train_iters=train_iters, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        log_interval=args.log_interval, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins, exit_signal_handler=args.exit_signal_handler,
-        max_nan_iterations=args.max_nan_iterations, zero_stage=args.zero_stage or 0, cpu_offload=args.cpu_offload,
-        checkpoint_activations=args.checkpoint_activations, partition_activations=args.partition_activations,
-        seed=args.seed)
-    _check_data_paths(args)
-    data = DataConfig(
-        data_path=tuple(args.data_path), split=args.split, tokenizer_type=args.tokenizer_type,
-        vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_name_or_path=args.tokenizer_name_or_path,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, pad_vocab_size_to=args.pad_vocab_size_to,
-        num_workers=args.num_workers, data_cache_dir=args.data_cache_dir, mock_data=args.mock_data,
-        mock_vocab_size=args.mock_vocab_size)
-    metrics_dir = args.tensorboard_dir or args.save
-    logging_config = LoggingConfig(
-        log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir, peak_tflops=args.peak_tflops,
-        log_level=args.log_level,
-        metrics_file=args.metrics_file or (os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None))
-    checkpoint = CheckpointConfig(
-        save=args.save, load=args.load, save_interval=args.save_interval, no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng, no_save_optim=args.no_save_optim, finetune=args.finetune,
-        keep_last_n_checkpoints=args.keep_last_n_checkpoints, strict_load=args.strict_load)
-    return Config(model=model, parallel=parallel, optimizer=optimizer, precision=precision, training=training,
-                  data=data, logging=logging_config, checkpoint=checkpoint, deepspeed_config=args.deepspeed_config)
+    config, ds_dict = resolve(args, world_size_from_env() if world_size is None else world_size, user, saved_meta,
+                              tokenizer.vocab_size if tokenizer is not None else None, torch.cuda.is_available())
+    if config.data.pad_vocab_size_to != values["pad_vocab_size_to"]:
+        logger.info("keeping the checkpoint's padded vocabulary of %d (--pad-vocab-size-to overrides)",
+                    config.model.vocab_size)
+    check_data_files(config.data)
+    return config, ds_dict, tokenizer

@@ -1,14 +1,47 @@
 """Typed, frozen configs built once from the command line; cross-field checks and derived values live here.
 
-Components receive only the sub-config they need. Errors a user can cause raise ValueError naming the
-flag, the values and the fix.
+Components receive only the sub-config they need. Each sub-config checks its own fields in __post_init__ and
+derives what follows from them (the default global batch, train iterations from samples, warmup fractions);
+Config.__post_init__ checks the rules that span two of them. Errors a user can cause raise ValueError naming
+the flag, the values and the fix. Pure: no files, no tokenizer, no torch.
 """
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.tokenizer.tokenizer import pad_vocab_size  # noqa: F401  (re-exported for callers)
-
 ATTENTION_IMPLS = ("auto", "flex", "sdpa", "fused", "torch")
+
+
+def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
+                   pad_vocab_size_to=None):
+    """Vocab size of the embedding: orig rounded up to a multiple of make_vocab_size_divisible_by * TP.
+
+    BLOOM: 250680 -> 250880 for 128 with TP 2, 4 or 8 (250752 with TP 1: BLOOM was trained at TP 4). With
+    pad_vocab_size_to the caller picks the size; it must hold every token and split evenly over the TP ranks.
+    """
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by} must be >= 1 "
+                         "(128 is the usual value)")
+    if tensor_model_parallel_size < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tensor_model_parallel_size} must be >= 1")
+    if pad_vocab_size_to is not None:
+        if pad_vocab_size_to < orig_vocab_size:
+            raise ValueError(f"--pad-vocab-size-to {pad_vocab_size_to} is smaller than the tokenizer's "
+                             f"vocabulary of {orig_vocab_size} tokens; pass a value >= {orig_vocab_size} "
+                             "or leave it unset")
+        if pad_vocab_size_to % tensor_model_parallel_size != 0:
+            fixed = -(-pad_vocab_size_to // tensor_model_parallel_size) * tensor_model_parallel_size
+            raise ValueError(f"--pad-vocab-size-to {pad_vocab_size_to} is not divisible by "
+                             f"--tensor-model-parallel-size {tensor_model_parallel_size}; pass a multiple of "
+                             f"{tensor_model_parallel_size} (for example {fixed})")
+        return pad_vocab_size_to
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-orig_vocab_size // multiple) * multiple
+
+
+def _derive(config, **values):
+    """Sets derived fields of a frozen dataclass from its own __post_init__."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
 
 
 @dataclass(frozen=True)
@@ -105,7 +138,7 @@ class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = 0  # a value below 1 is a fraction of lr_decay_iters, made iterations here
     lr_decay_iters: Optional[int] = None
     weight_decay: float = 0.01
     clip_grad: float = 1.0
@@ -119,6 +152,11 @@ class OptimizerConfig:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}; lower --min-lr")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"--lr-decay-style {self.lr_decay_style} is not one of constant, linear, cosine")
+        warmup = self.lr_warmup_iters
+        if 0 < warmup < 1 and self.lr_decay_iters is None:
+            raise ValueError(f"--lr-warmup-iters {warmup} is a fraction of --lr-decay-iters, which is unset; "
+                             "pass --lr-decay-iters or a whole number of warmup iterations")
+        _derive(self, lr_warmup_iters=int(round(warmup * self.lr_decay_iters)) if 0 < warmup < 1 else int(warmup))
 
 
 @dataclass(frozen=True)
@@ -133,7 +171,8 @@ class PrecisionConfig:
 
     def __post_init__(self):
         if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are both set; choose one")
+            raise ValueError("--bf16 and --fp16 are both set (as flags or as bf16.enabled and fp16.enabled in the "
+                             "DeepSpeed JSON); choose one")
 
     @property
     def name(self):
@@ -164,38 +203,47 @@ def batch_fit_hint(global_batch, micro_batch, data_parallel_size):
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """Batch arithmetic and loop lengths: global = micro x grad accumulation x DP."""
+    """Batch arithmetic and loop lengths: global = micro x grad accumulation x DP. global_batch_size defaults
+    to micro x DP; train_iters comes from --train-iters or --train-samples // global batch."""
     micro_batch_size: int
-    global_batch_size: int
     data_parallel_size: int
-    train_iters: int
+    global_batch_size: Optional[int] = None
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
     eval_interval: int = 1000
     eval_iters: int = 10
-    log_interval: int = 100
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
     max_nan_iterations: int = 3
     zero_stage: int = 0
     cpu_offload: bool = False
-    checkpoint_activations: bool = False
     partition_activations: bool = False
-    seed: int = 1234
 
     def __post_init__(self):
+        if self.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size} must be positive")
         per_step = self.micro_batch_size * self.data_parallel_size
+        if self.global_batch_size is None:
+            _derive(self, global_batch_size=per_step)
         if self.global_batch_size % per_step != 0:
             raise ValueError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = {per_step}; "
                 + batch_fit_hint(self.global_batch_size, self.micro_batch_size, self.data_parallel_size))
-        if self.partition_activations and not self.checkpoint_activations:
-            raise ValueError("--partition-activations splits the activations that --checkpoint-activations keeps "
-                             "across tensor-parallel ranks; add --checkpoint-activations")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"--zero-stage {self.zero_stage} is not one of 0, 1, 2, 3")
+        if self.train_iters is None and self.train_samples is None:
+            raise ValueError("pass --train-iters or --train-samples")
+        if self.train_iters is not None and self.train_samples is not None:
+            raise ValueError("--train-iters and --train-samples are both set; pass one")
+        if self.train_iters is None:
+            _derive(self, train_iters=self.train_samples // self.global_batch_size)
         if self.train_iters < 1:
             raise ValueError(f"--train-iters {self.train_iters} must be positive (or pass --train-samples)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage} is not one of 0, 1, 2, 3")
+        if self.cpu_offload and self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--cpu-offload needs ZeRO stage 1, 2 or 3 (got {self.zero_stage}); "
+                             "add --zero-stage 2")
 
     @property
     def gradient_accumulation_steps(self):
@@ -216,6 +264,29 @@ class DataConfig:
     data_cache_dir: Optional[str] = None
     mock_data: bool = False
     mock_vocab_size: int = 50257
+
+    def __post_init__(self):
+        """The shape of --data-path (whether its files exist is arguments.check_data_files' business)."""
+        if self.mock_data:
+            return
+        if not self.data_path:
+            raise ValueError("--data-path is required (the prefix of a .bin/.idx pair made by "
+                             "tools/preprocess_data.py), or pass --mock-data for synthetic tokens")
+        if len(self.data_path) > 1:
+            if len(self.data_path) % 2 != 0:
+                raise ValueError(f"--data-path with several datasets takes weight prefix pairs; got "
+                                 f"{len(self.data_path)} values")
+            for weight in self.data_path[0::2]:
+                try:
+                    float(weight)
+                except ValueError:
+                    raise ValueError(f"--data-path weight {weight!r} is not a number; write "
+                                     "--data-path 0.7 prefix_a 0.3 prefix_b") from None
+
+    @property
+    def prefixes(self):
+        """The dataset prefixes of --data-path (without its weights)."""
+        return self.data_path if len(self.data_path) == 1 else self.data_path[1::2]
 
 
 @dataclass(frozen=True)
@@ -252,3 +323,24 @@ class Config:
     logging: LoggingConfig
     checkpoint: CheckpointConfig
     deepspeed_config: Optional[str] = None
+
+    def __post_init__(self):
+        model, parallel, training = self.model, self.parallel, self.training
+        pp = parallel.pipeline_model_parallel_size
+        if model.tensor_model_parallel_size != parallel.tensor_model_parallel_size:
+            raise ValueError(f"the model config's tensor-parallel size {model.tensor_model_parallel_size} differs "
+                             f"from --tensor-model-parallel-size {parallel.tensor_model_parallel_size}; build both "
+                             "from the same flags")
+        if training.data_parallel_size != parallel.data_parallel_size:
+            raise ValueError(f"the training config's data-parallel size {training.data_parallel_size} differs from "
+                             f"the layout's {parallel.data_parallel_size}; build both from the same flags")
+        if pp > model.num_layers:
+            raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {model.num_layers}; "
+                             "every stage needs at least one layer")
+        if training.zero_stage in (2, 3) and pp > 1:
+            raise ValueError(f"--zero-stage {training.zero_stage} cannot be combined with "
+                             f"--pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and "
+                             "1; use --zero-stage 1 or --pipeline-model-parallel-size 1")
+        if training.partition_activations and not model.checkpoint_activations:
+            raise ValueError("--partition-activations splits the activations that --checkpoint-activations keeps "
+                             "across tensor-parallel ranks; add --checkpoint-activations")

@@ -1,7 +1,9 @@
 """Reconciles the DeepSpeed JSON with the flags: missing values come from the flags, contradictions stop the run.
 
-Top-level keys that name our flags (BLOOM's published ds_config has lr, min_lr, warmup_iters, micro_batch_size,
-...) set those flags; keys neither DeepSpeed's nor ours are named in a warning.
+Pure functions of the loaded JSON dict (load_user_config is the one that reads the file): merge_json_flags
+lets top-level keys that name our flags (BLOOM's published ds_config has lr, min_lr, warmup_iters,
+micro_batch_size, ...) set those flags and notes the keys neither DeepSpeed's nor ours; reconcile takes the
+JSON's batch, precision, ZeRO and clipping values; build_deepspeed_config writes the resolved Config back.
 
 DeepSpeed's batch rule is train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
 x data-parallel size; every message below spells that arithmetic out with the numbers involved.
@@ -12,6 +14,8 @@ import functools
 import json
 import logging
 import os
+
+from megatron.config import batch_fit_hint
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +92,19 @@ def removed_deepspeed_keys():
     return getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})
 
 
-def apply_flag_keys(args, user, path):
-    """Top-level JSON keys that name our flags (lr, min_lr, micro_batch_size, warmup_iters, ...; see
-    arguments.flags_by_json_key) set those flags when the command line did not; one that contradicts a flag
-    given on the command line stops the run. Warns once per key that is neither DeepSpeed's nor a flag's.
-    Raises ValueError on a contradiction or a bad value. Mutates args."""
+def merge_json_flags(args, user, path):
+    """The flag values once the JSON's top-level keys naming flags (lr, min_lr, micro_batch_size, warmup_iters,
+    ...; see arguments.flags_by_json_key) have set the flags the command line did not give. Pure: returns
+    (values, notes): a new {dest: value} dict (args is not changed) and the (logging level, message) pairs to
+    report, one per key that is neither DeepSpeed's nor a flag's. Raises ValueError on a key that contradicts a
+    flag given on the command line, a bad value, or a section this DeepSpeed removed."""
     from megatron.arguments import flags_by_json_key, json_value_for_flag
-    from megatron.initialize import is_first_local_rank
+    values = dict(vars(args))
+    explicit = values.pop("explicit_flags", frozenset())
     if not user:
-        return args
+        return values, []
     ds_keys, removed = deepspeed_keys(), removed_deepspeed_keys()
     flags = flags_by_json_key()
-    explicit = getattr(args, "explicit_flags", frozenset())
     from_json, unknown = {}, []
     for key, value in user.items():
         if key in removed:
@@ -113,8 +118,8 @@ def apply_flag_keys(args, user, path):
         flag, dest = action.option_strings[0], action.dest
         converted = json_value_for_flag(action, key, value)
         if dest in explicit:
-            if converted != getattr(args, dest):
-                raise _disagree(key, json.dumps(value), flag, _shown(getattr(args, dest)),
+            if converted != values[dest]:
+                raise _disagree(key, json.dumps(value), flag, _shown(values[dest]),
                                 "make them equal or drop the key from the JSON")
             continue
         if dest in from_json and from_json[dest][1] != converted:
@@ -122,29 +127,37 @@ def apply_flag_keys(args, user, path):
             raise ValueError(f"DeepSpeed config {key}={json.dumps(value)} contradicts its {other}="
                              f"{json.dumps(user[other])} (both set {flag}); keep one")
         from_json[dest] = (key, converted)
-        setattr(args, dest, converted)
+        values[dest] = converted
+    notes = []
     if from_json:
-        logger.info("DeepSpeed config %s sets %s", path, ", ".join(
-            f"{flags[key].option_strings[0]} {_shown(value)}" for key, value in from_json.values()))
-    if unknown and is_first_local_rank():
-        known = sorted(ds_keys | set(flags))
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            logger.warning("DeepSpeed config %s: key %s is neither DeepSpeed's nor a flag's; ignored%s", path, key,
-                           f" (did you mean {close[0]}?)" if close else "")
-    return args
+        notes.append((logging.INFO, f"DeepSpeed config {path} sets " + ", ".join(
+            f"{flags[key].option_strings[0]} {_shown(value)}" for key, value in from_json.values())))
+    known = sorted(ds_keys | set(flags))
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        notes.append((logging.WARNING, f"DeepSpeed config {path}: key {key} is neither DeepSpeed's nor a flag's; "
+                      "ignored" + (f" (did you mean {close[0]}?)" if close else "")))
+    return values, notes
+
+
+def log_notes(notes):
+    """Logs merge_json_flags' notes; the warnings on the first process of each host only."""
+    from megatron.initialize import is_first_local_rank
+    for level, message in notes:
+        if level < logging.WARNING or is_first_local_rank():
+            logger.log(level, message)
 
 
 def _shown(value):
     return " ".join(map(str, value)) if isinstance(value, list) else value
 
 
-def reconcile_args(args, user, data_parallel_size):
-    """Fills unset flags from DeepSpeed's keys in the JSON and raises ValueError on any contradiction (call
-    apply_flag_keys first: the JSON's keys naming flags count as those flags). Mutates args."""
-    from megatron.arguments import check_required
-    from megatron.config import batch_fit_hint
-    check_required(args)
+def reconcile(values, user, data_parallel_size):
+    """DeepSpeed's own keys against the flag values (merge_json_flags' output, required flags present): a new
+    dict in which unset flags take the JSON's batch, precision, ZeRO and clipping values. Raises ValueError on
+    any contradiction. The rules the values must then obey (batch divisibility, bf16 with fp16, offload
+    without ZeRO, ...) are the configs' __post_init__ checks, not repeated here."""
+    values = dict(values)
     dp = data_parallel_size
     micro_key = user.get("train_micro_batch_size_per_gpu")
     gas = user.get("gradient_accumulation_steps")
@@ -157,26 +170,26 @@ def reconcile_args(args, user, data_parallel_size):
             f"DeepSpeed config contradicts itself: train_batch_size {total} must equal "
             f"train_micro_batch_size_per_gpu {micro_key} x gradient_accumulation_steps {gas} x data-parallel size "
             f"{dp} = {micro_key * gas * dp}; {fix}, or drop the batch keys and let the flags decide")
-    if micro_key is not None and micro_key != args.micro_batch_size:
-        raise _disagree("train_micro_batch_size_per_gpu", micro_key, "--micro-batch-size", args.micro_batch_size,
+    micro = values["micro_batch_size"]
+    if micro_key is not None and micro_key != micro:
+        raise _disagree("train_micro_batch_size_per_gpu", micro_key, "--micro-batch-size", micro,
                         "make them equal or drop the key from the JSON")
-    micro = args.micro_batch_size
     per_step = micro * dp
-    global_name = f"--global-batch-size {args.global_batch_size}"
+    global_batch = values["global_batch_size"]
+    global_name = f"--global-batch-size {global_batch}"
     if total is not None:
-        if args.global_batch_size is not None and args.global_batch_size != total:
-            raise _disagree("train_batch_size", total, "--global-batch-size", args.global_batch_size,
+        if global_batch is not None and global_batch != total:
+            raise _disagree("train_batch_size", total, "--global-batch-size", global_batch,
                             "make them equal or drop train_batch_size from the JSON")
         global_name = f"DeepSpeed config train_batch_size {total}"
-        if gas is None and total % per_step != 0:
+        if gas is None and total % per_step != 0:  # named as the JSON's key, not as --global-batch-size
             raise ValueError(f"{global_name} is not divisible by --micro-batch-size {micro} x data-parallel size "
                              f"{dp} = {per_step}; {batch_fit_hint(total, micro, dp)}")
-        args.global_batch_size = total
+        global_batch = total
     if gas is not None:
-        if args.global_batch_size is None:
-            args.global_batch_size = gas * per_step
-        elif gas * per_step != args.global_batch_size:
-            global_batch = args.global_batch_size
+        if global_batch is None:
+            global_batch = gas * per_step
+        elif gas * per_step != global_batch:
             if global_batch % per_step == 0:
                 fix = f"set gradient_accumulation_steps to {global_batch // per_step} or drop it"
             else:
@@ -186,37 +199,25 @@ def reconcile_args(args, user, data_parallel_size):
             raise ValueError(
                 f"DeepSpeed config gradient_accumulation_steps {gas} x --micro-batch-size {micro} x data-parallel "
                 f"size {dp} = {gas * per_step} differs from {global_name}; {fix}")
+    values["global_batch_size"] = global_batch
 
-    bf16 = user.get("bf16", {}).get("enabled", False)
-    fp16 = user.get("fp16", {}).get("enabled", False)
-    if bf16 and args.fp16:
-        raise _disagree("bf16.enabled", True, "--fp16", "", "pick one precision")
-    if fp16 and args.bf16:
-        raise _disagree("fp16.enabled", True, "--bf16", "", "pick one precision")
-    args.bf16 = args.bf16 or bf16
-    args.fp16 = args.fp16 or fp16
+    values["bf16"] = values["bf16"] or user.get("bf16", {}).get("enabled", False)
+    values["fp16"] = values["fp16"] or user.get("fp16", {}).get("enabled", False)
 
     zero = user.get("zero_optimization", {})
     stage = zero.get("stage")
-    if stage is not None and args.zero_stage is not None and stage != args.zero_stage:
-        raise _disagree("zero_optimization.stage", stage, "--zero-stage", args.zero_stage,
+    if stage is not None and values["zero_stage"] is not None and stage != values["zero_stage"]:
+        raise _disagree("zero_optimization.stage", stage, "--zero-stage", values["zero_stage"],
                         "make them equal or drop one")
-    if args.zero_stage is None:
-        args.zero_stage = stage or 0
+    if values["zero_stage"] is None:
+        values["zero_stage"] = stage
     offload = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    args.cpu_offload = args.cpu_offload or offload
-    if args.cpu_offload and args.zero_stage not in (1, 2, 3):
-        raise ValueError(f"--cpu-offload needs ZeRO stage 1, 2 or 3 (got {args.zero_stage}); "
-                         "add --zero-stage 2")
-    if args.zero_stage in (2, 3) and args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--zero-stage {args.zero_stage} cannot be combined with --pipeline-model-parallel-size "
-                         f"{args.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports ZeRO 0 and 1; "
-                         "use --zero-stage 1 or --pipeline-model-parallel-size 1")
+    values["cpu_offload"] = values["cpu_offload"] or offload
 
     params = user.get("optimizer", {}).get("params", {})
-    flag_values = {"lr": ("--lr", args.lr), "weight_decay": ("--weight-decay", args.weight_decay),
-                   "eps": ("--adam-eps", args.adam_eps), "betas": ("--adam-beta1/2", [args.adam_beta1,
-                                                                                   args.adam_beta2])}
+    flag_values = {"lr": ("--lr", values["lr"]), "weight_decay": ("--weight-decay", values["weight_decay"]),
+                   "eps": ("--adam-eps", values["adam_eps"]),
+                   "betas": ("--adam-beta1/2", [values["adam_beta1"], values["adam_beta2"]])}
     for key, value in params.items():
         if key not in flag_values:
             continue
@@ -229,11 +230,11 @@ def reconcile_args(args, user, data_parallel_size):
                          "--lr-decay-style, --lr-warmup-iters: remove the section")
 
     clip = user.get("gradient_clipping")
-    if clip is not None and args.clip_grad is not None and clip != args.clip_grad:
-        raise _disagree("gradient_clipping", clip, "--clip-grad", args.clip_grad, "make them equal or drop one")
-    if args.clip_grad is None:
-        args.clip_grad = 1.0 if clip is None else clip
-    return args
+    if clip is not None and values["clip_grad"] is not None and clip != values["clip_grad"]:
+        raise _disagree("gradient_clipping", clip, "--clip-grad", values["clip_grad"], "make them equal or drop one")
+    if values["clip_grad"] is None:
+        values["clip_grad"] = clip  # None: OptimizerConfig's default
+    return values
 
 
 def build_deepspeed_config(config, user):
@@ -267,6 +268,6 @@ def build_deepspeed_config(config, user):
     ds.setdefault("wall_clock_breakdown", False)
     if training.partition_activations:
         ds["activation_checkpointing"] = {**ds.get("activation_checkpointing", {}), "partition_activations": True}
-    ds.pop("optimizer", None)  # checked against the flags in reconcile_args; we build the optimizer
+    ds.pop("optimizer", None)  # checked against the flags in reconcile(); we build the optimizer
     ds.pop("scheduler", None)
     return ds

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 DEEPSPEED = str(Path(PYTHON).parent / "deepspeed")
 TOKENIZER = ROOT / "examples" / "tokenizer"
+FAULT_LAUNCHER = ROOT / "tests" / "train_with_faults.py"
 
 TINY_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
               "--max-position-embeddings", "32"]
@@ -37,16 +38,23 @@ def _cleanup_shm(port):
     return left
 
 
-def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True):
+def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True, faults=None):
     """`deepspeed --num_gpus nproc pretrain_bloom.py args` (plain python for one process). The result's
-    `shm_left` lists the /dev/shm buffers the job left behind (removed here)."""
+    `shm_left` lists the /dev/shm buffers the job left behind (removed here).
+
+    faults: a MEGATRON_TEST_FAULT spec (tests/faults.py); the job then runs tests/train_with_faults.py, which is
+    pretrain_bloom.main with those faults as a training callback."""
     port = _free_port()
+    script = ROOT / "pretrain_bloom.py"
+    if faults is not None:
+        script = FAULT_LAUNCHER
+        extra_env = {**(extra_env or {}), "MEGATRON_TEST_FAULT": faults}
     if nproc == 1:
-        cmd = [PYTHON, str(ROOT / "pretrain_bloom.py")] + list(args)
+        cmd = [PYTHON, str(script)] + list(args)
         extra_env = {"MASTER_PORT": str(port), **(extra_env or {})}
     else:
         cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(port),
-               str(ROOT / "pretrain_bloom.py")] + list(args)
+               str(script)] + list(args)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     finally:

@@ -108,7 +108,7 @@ def _timed(step, args, device):
 
 def run_ours(args, shape):
     import torch
-    import pretrain_bloom
+    from megatron.arguments import load_and_resolve
     from megatron.initialize import initialize_distributed, set_random_seeds, shutdown_distributed
     from megatron.training import setup_engine, train_step
     from megatron.data.mock_dataset import MockGPTDataset
@@ -128,9 +128,9 @@ def run_ours(args, shape):
         argv.append("--checkpoint-activations")
     if args.fused_layernorm:
         argv.append("--fused-layernorm")
-    config, ds_config, _ = pretrain_bloom.resolve_config(argv)
+    config, ds_config, _ = load_and_resolve(argv)
     state = initialize_distributed(config.parallel)
-    set_random_seeds(config.training.seed, state)
+    set_random_seeds(config.model.seed, state)
     engine, _ = setup_engine(config, ds_config, state)
     total = (args.iters + args.warmup_iters + int(args.profile)) * global_batch
     loader = build_pretraining_data_loader(MockGPTDataset(total, shape["seq_length"], shape["vocab_size"]), 0,
@@ -181,7 +181,7 @@ def run_hf(args, shape):
 def measure(args):
     """Runs one side in this process and returns its figures."""
     import torch
-    from megatron.metrics import measure_matmul_tflops, model_flops_per_iteration
+    from megatron.training.metrics import measure_matmul_tflops, model_flops_per_iteration
 
     shape = SMALL_MODEL if args.small else DOC_MODEL
     seconds, device, losses = (run_ours if args.only == "ours" else run_hf)(args, shape)

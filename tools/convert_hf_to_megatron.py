@@ -16,7 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron import checkpoint_tools  # noqa: E402
+from megatron.checkpoint import convert, hf  # noqa: E402
+from megatron.checkpoint.io import check_output_path  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,19 +41,19 @@ def main(argv=None):
                             ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
-        checkpoint_tools.check_output_path(args.output_path, args.force, [args.hf_model_path])
-        reader = checkpoint_tools.HFReader(args.hf_model_path)
-        dtype = checkpoint_tools.resolve_dtype(args.dtype, reader.dtype)
-        out = checkpoint_tools.write_megatron_checkpoint(
+        check_output_path(args.output_path, args.force, [args.hf_model_path])
+        reader = hf.HFReader(args.hf_model_path)
+        dtype = convert.resolve_dtype(args.dtype, reader.dtype)
+        out = convert.write_megatron_checkpoint(
             args.output_path, reader, reader.config, args.target_tensor_parallel_size,
             args.target_pipeline_parallel_size, iteration=0, run_config=reader.run_config,
-            tokenizer_dir=reader.tokenizer_dir, precision=checkpoint_tools.DTYPE_NAMES[dtype],
+            tokenizer_dir=reader.tokenizer_dir, precision=convert.DTYPE_NAMES[dtype],
             source=os.path.abspath(args.hf_model_path), force=args.force, dtype=dtype)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"converted {args.hf_model_path} into {out} (TP {args.target_tensor_parallel_size} x PP "
-          f"{args.target_pipeline_parallel_size}, {checkpoint_tools.DTYPE_NAMES[dtype]}, vocab "
+          f"{args.target_pipeline_parallel_size}, {convert.DTYPE_NAMES[dtype]}, vocab "
           f"{reader.config.vocab_size}{', with tokenizer' if reader.tokenizer_dir else ', no tokenizer'})")
     return 0
 

@@ -20,11 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
+    from megatron.inference.loading import add_model_flags
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--load", required=True,
-                        help="checkpoint folder (iter_XXXXXXX), its --save root, or a Hugging Face BLOOM folder")
-    parser.add_argument("--tokenizer-name-or-path", default=None,
-                        help="tokenizer folder (default: the checkpoint's tokenizer/ or the HF folder)")
+    add_model_flags(parser)
     parser.add_argument("--prompt", action="append", default=[], help="repeatable")
     parser.add_argument("--prompts-file", default=None, help="one prompt per line (blank lines skipped)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -34,10 +33,6 @@ def parse_args(argv=None):
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (cache slots)")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                        help="auto: the stored dtype on GPU, fp32 on CPU")
-    parser.add_argument("--num-partitions", type=int, default=None, help="expected TP size of --load (checked)")
     parser.add_argument("--output-file", default=None, help="also write JSON lines: prompt, ids, continuation")
     return parser.parse_args(argv)
 
@@ -71,11 +66,10 @@ def setup_tensor_parallel():
 
 
 def main(argv=None):
-    import torch
-
-    from megatron import checkpoint_tools
+    from megatron.checkpoint import convert
+    from megatron.core import parallel_state
     from megatron.inference import InferenceEngine, SamplingParams
-    from megatron.inference.loading import load_checkpoint_and_tokenizer
+    from megatron.inference.loading import device_and_dtype, load_checkpoint_and_tokenizer
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -88,11 +82,10 @@ def main(argv=None):
         prompts = read_prompts(args)
         merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
                                                           args.tokenizer_name_or_path)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = (merged.dtype if device == "cuda" else torch.float32) if args.dtype == "auto" \
-            else checkpoint_tools.DTYPES[args.dtype]
+        device, dtype = device_and_dtype(merged, args.dtype)
         tp, rank = setup_tensor_parallel()
-        model = checkpoint_tools.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device)
+        model = convert.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device,
+                                    tp_group=parallel_state.get_tensor_model_parallel_group())
         prompt_ids = [tokenizer.tokenize(p) for p in prompts]
         if any(not ids for ids in prompt_ids):
             raise ValueError("a prompt tokenizes to no tokens; drop empty prompts")
@@ -117,7 +110,7 @@ def main(argv=None):
                   f"{', stopped at eod' if out and out[-1] == tokenizer.eod else ''}) ---\n{text}")
             records.append({"prompt": prompt, "prompt_ids": ids, "generated_ids": out, "continuation": text})
         print(f"generated {count} tokens in {seconds:.2f} s: {count / max(seconds, 1e-9):.1f} tokens/s "
-              f"(batch size {args.batch_size}, TP {tp}, {device}, {checkpoint_tools.DTYPE_NAMES[dtype]})")
+              f"(batch size {args.batch_size}, TP {tp}, {device}, {convert.DTYPE_NAMES[dtype]})")
         if args.output_file:
             with open(args.output_file, "w", encoding="utf-8") as f:
                 for record in records:

@@ -21,7 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron import checkpoint_tools  # noqa: E402
+from megatron.checkpoint import convert, hf  # noqa: E402
+from megatron.checkpoint.io import check_output_path  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,20 +56,20 @@ def main(argv=None):
                             ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1")
-        max_shard = checkpoint_tools.parse_size(args.max_shard_size)
-        checkpoint_tools.check_output_path(args.output_path, args.force, [args.model_path])
-        reader = checkpoint_tools.CheckpointReader(args.model_path, args.num_partitions, verify=not args.no_verify)
-        dtype = checkpoint_tools.resolve_dtype(args.dtype, reader.dtype)
+        max_shard = hf.parse_size(args.max_shard_size)
+        check_output_path(args.output_path, args.force, [args.model_path])
+        reader = convert.CheckpointReader(args.model_path, args.num_partitions, verify=not args.no_verify)
+        dtype = convert.resolve_dtype(args.dtype, reader.dtype)
         if output_format == "hf":
-            out = checkpoint_tools.write_hf_folder(args.output_path, reader, reader.config, dtype,
+            out = hf.write_hf_folder(args.output_path, reader, reader.config, dtype,
                                                    reader.tokenizer_dir, max_shard, args.force)
             what = "Hugging Face BLOOM folder"
         else:
-            out = checkpoint_tools.write_megatron_checkpoint(
+            out = convert.write_megatron_checkpoint(
                 args.output_path, reader, reader.config, args.target_tensor_parallel_size,
                 args.target_pipeline_parallel_size, iteration=reader.iteration,
                 consumed_samples=reader.consumed_samples, run_config=reader.run_config,
-                tokenizer_dir=reader.tokenizer_dir, precision=checkpoint_tools.DTYPE_NAMES[dtype],
+                tokenizer_dir=reader.tokenizer_dir, precision=convert.DTYPE_NAMES[dtype],
                 source=reader.folder, force=args.force, dtype=dtype)
             what = (f"checkpoint TP {args.target_tensor_parallel_size} x PP {args.target_pipeline_parallel_size} "
                     f"(iteration {reader.iteration})")
@@ -76,8 +77,8 @@ def main(argv=None):
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"merged {reader.folder} (TP {reader.tensor_model_parallel_size} x PP "
-          f"{reader.pipeline_model_parallel_size}, {checkpoint_tools.DTYPE_NAMES[reader.dtype]}) into {what} "
-          f"{out} ({checkpoint_tools.DTYPE_NAMES[dtype]})")
+          f"{reader.pipeline_model_parallel_size}, {convert.DTYPE_NAMES[reader.dtype]}) into {what} "
+          f"{out} ({convert.DTYPE_NAMES[dtype]})")
     return 0
 
 

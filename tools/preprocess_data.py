@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron.data.corpus import (  # noqa: E402
     PROBLEM_KINDS, ChunkEncoder, TextNormalizer, build_sentence_splitter, find_input_files, read_chunks)
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
-from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer, infer_tokenizer_type  # noqa: E402
 
 logger = logging.getLogger("preprocess_data")
 PROG = "preprocess_data.py"
@@ -86,14 +86,8 @@ def check_args(args):
     for path in files:
         if not os.access(path, os.R_OK):
             raise ValueError(f"--input {path}: file is not readable")
-    if args.tokenizer_type is None:
-        if args.vocab_file is not None or args.merge_file is not None:
-            args.tokenizer_type = "GPT2BPETokenizer"
-        elif args.tokenizer_name_or_path is not None:
-            args.tokenizer_type = "PretrainedFromHF"
-        else:
-            raise ValueError("no tokenizer: pass --vocab-file and --merge-file (GPT2BPETokenizer) or "
-                             "--tokenizer-name-or-path (PretrainedFromHF)")
+    args.tokenizer_type = infer_tokenizer_type(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                               args.tokenizer_name_or_path)
     if args.keep_newlines and not args.split_sentences:
         logger.warning("--keep-newlines only applies with --split-sentences; ignoring it")
     return files

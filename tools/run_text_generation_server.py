@@ -27,11 +27,10 @@ API_KEY_ENV = "MEGATRON_SERVER_API_KEY"
 
 
 def parse_args(argv=None):
+    from megatron.inference.loading import add_model_flags
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--load", required=True,
-                        help="checkpoint folder (iter_XXXXXXX), its --save root, or a Hugging Face BLOOM folder")
-    parser.add_argument("--tokenizer-name-or-path", default=None,
-                        help="tokenizer folder (default: the checkpoint's tokenizer/ or the HF folder)")
+    add_model_flags(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000,
@@ -58,10 +57,6 @@ def parse_args(argv=None):
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight before cancelling them (default: "
                              "%(default)s)")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                        help="auto: the stored dtype on GPU, fp32 on CPU")
-    parser.add_argument("--num-partitions", type=int, default=None, help="expected TP size of --load (checked)")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="never stop at the end-of-document token (benchmarks: every completion gets max_tokens)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -94,10 +89,10 @@ def build(args):
     """(engine, tokenizer, settings) for the parsed arguments: the model loaded onto the device, warmed up."""
     import torch
 
-    from megatron import checkpoint_tools
+    from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine
     from megatron.inference.server import ServerSettings
-    from megatron.inference.loading import load_checkpoint_and_tokenizer
+    from megatron.inference.loading import device_and_dtype, load_checkpoint_and_tokenizer
 
     merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
                                                       args.tokenizer_name_or_path)
@@ -106,10 +101,8 @@ def build(args):
     if limit >= context:
         raise ValueError(f"--max-new-tokens-limit {limit} leaves no room for a prompt in the context of {context} "
                          "tokens; lower it or raise --max-seq-len")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = (merged.dtype if device == "cuda" else torch.float32) if args.dtype == "auto" \
-        else checkpoint_tools.DTYPES[args.dtype]
-    model = checkpoint_tools.build_model(merged, dtype, device=device)
+    device, dtype = device_and_dtype(merged, args.dtype)
+    model = convert.build_model(merged, dtype, device=device)
     engine = InferenceEngine(model, max_batch_size=args.max_batch_size, max_seq_len=context,
                              eod_id=None if args.ignore_eos else tokenizer.eod, vocab_limit=tokenizer.vocab_size,
                              cuda_graphs=False if args.no_cuda_graphs else None)
@@ -121,7 +114,7 @@ def build(args):
                               max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout, host=args.host,
                               port=args.port, log_level=args.log_level)
     logging.getLogger(__name__).info(
-        "loaded %s: %s, %s, context %d tokens, %d slots", args.load, device, checkpoint_tools.DTYPE_NAMES[dtype],
+        "loaded %s: %s, %s, context %d tokens, %d slots", args.load, device, convert.DTYPE_NAMES[dtype],
         context, args.max_batch_size)
     return engine, tokenizer, settings
 

@@ -14,6 +14,11 @@ TP=2, PP=4 (so DP=2):
 
 The getters keep Megatron's names (get_tensor_model_parallel_rank, ...) and read the single state.
 Without torch.distributed (one process, e.g. a parity test) everything reports size 1, rank 0.
+
+The module global exists for DeepSpeed's `mpu` protocol (DeepSpeedMPU) and for the code that sets up a run.
+The model, the tensor-parallel layers, the mappings and the cross entropy never read it: they take the group
+explicitly (tp_group=state.tp_group, None meaning no tensor parallelism), so what is built depends only on the
+arguments, not on whether or in what order initialize_model_parallel ran.
 """
 from dataclasses import dataclass
 from typing import Optional

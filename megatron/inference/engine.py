@@ -188,20 +188,31 @@ class InferenceEngine:
             self._prefill(group)
 
     def _load_params(self, requests):
-        slots = torch.tensor([r.slot for r in requests], device=self.device)
+        """Writes the admitted rows' state with one host-to-device copy: slots and parameters packed into one
+        (8, n) int64 host tensor (pinned on CUDA; fp32 values travel as their int32 bit patterns, exactly)."""
+        def floats(values):
+            return torch.tensor(values, dtype=torch.float32).view(torch.int32).long()
 
-        def put(tensor, values, dtype):
-            tensor[slots] = torch.tensor(values, dtype=dtype).to(self.device)
-
-        put(self.greedy, [r.params.greedy for r in requests], torch.bool)
-        put(self.temperature, [r.params.temperature for r in requests], torch.float32)
-        put(self.top_k, [r.params.top_k for r in requests], torch.long)
-        put(self.top_p, [r.params.top_p for r in requests], torch.float32)
-        put(self.seeds, [r.seed for r in requests], torch.long)
-        put(self.max_new, [r.params.max_new_tokens for r in requests], torch.long)
-        put(self.count, [0] * len(requests), torch.long)
-        put(self.done, [False] * len(requests), torch.bool)
-        put(self.pos, [len(r.prompt) for r in requests], torch.long)
+        host = torch.stack([torch.tensor([r.slot for r in requests]),
+                            torch.tensor([int(r.params.greedy) for r in requests]),
+                            floats([r.params.temperature for r in requests]),
+                            torch.tensor([r.params.top_k for r in requests]),
+                            floats([r.params.top_p for r in requests]),
+                            torch.tensor([r.seed for r in requests]),
+                            torch.tensor([r.params.max_new_tokens for r in requests]),
+                            torch.tensor([len(r.prompt) for r in requests])])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        slots, greedy, temperature, top_k, top_p, seeds, max_new, pos = host.to(self.device, non_blocking=True)
+        self.greedy[slots] = greedy.bool()
+        self.temperature[slots] = temperature.int().view(torch.float32)
+        self.top_k[slots] = top_k
+        self.top_p[slots] = top_p.int().view(torch.float32)
+        self.seeds[slots] = seeds
+        self.max_new[slots] = max_new
+        self.count[slots] = 0
+        self.done[slots] = False
+        self.pos[slots] = pos
 
     def _prefill(self, requests):
         """Fills the requests' slots with their prompts and samples each one's first token."""
@@ -246,12 +257,12 @@ class InferenceEngine:
         """Samples the rows' next tokens (rows: a (B,) tensor of slots) and updates their state on the device,
         with no host synchronisation. A decode step moves a live row's position on; a prefill's first token is
         written at the prompt's end, where pos already points."""
+        count = self.count[rows]
         tokens = sample_rows(logits, self.greedy[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                             self.seeds[rows], self.count[rows], any_sampled, any_filtered)
+                             self.seeds[rows], count, any_sampled, any_filtered)
         if self.sync_tokens is not None:
             tokens = self.sync_tokens(tokens)
         live = ~self.done[rows]
-        count = self.count[rows]
         self.out[rows, torch.where(live, count, self.max_new_cap)] = tokens  # finished rows: the discard column
         count = count + live.long()
         finished = live & ((tokens == self.eod_id) | (count >= self.max_new[rows]))

@@ -13,6 +13,13 @@ the vocabulary. Canonical parameter names (what checkpoints and the HF name tabl
     layers.N.mlp.dense_h_to_4h.{weight (F/p, H), bias (F/p)}
     layers.N.mlp.dense_4h_to_h.{weight (H, F/p), bias (H)}
     final_layernorm.{weight,bias}
+
+Parallel state is explicit: every module takes `tp_group`, the tensor-parallel ProcessGroup (None: no tensor
+parallelism, one rank), and resolves its size and rank once in __init__. No module reads
+megatron.core.parallel_state, so the same call builds the same model whatever was initialised before it.
+Communication per block (p > 1): forward all-reduces the attention and MLP outputs (row-parallel layers),
+backward all-reduces the gradient of their inputs (column-parallel layers); the embedding all-reduces its
+output, the LM head its input gradient, and the loss three (tokens,) fp32 tensors.
 """
 import contextlib
 import math
@@ -21,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model.attention import CoreAttention
 
@@ -50,7 +57,10 @@ def make_layernorm(config, size):
 
 
 class BloomEmbedding(nn.Module):
-    """Word embeddings (vocab-parallel) -> embedding LayerNorm -> dropout."""
+    """Word embeddings (vocab-parallel) -> embedding LayerNorm -> dropout.
+
+    Communicates (p > 1): forward all-reduces the partial (B, S, H) lookups over tp_group; backward nothing.
+    """
 
     def __init__(self, config, tp_group=None):
         super().__init__()
@@ -70,13 +80,20 @@ class BloomEmbedding(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Fused QKV (column parallel) -> ALiBi attention over this rank's heads -> dense (row parallel)."""
+    """Fused QKV (column parallel) -> ALiBi attention over this rank's nh/p heads -> dense (row parallel).
+
+    out = sum_r softmax(q_r k_r^T / sqrt(d) + ALiBi_r) v_r W_dense,r + b over the p ranks of tp_group.
+    Communicates (p > 1): forward all-reduces the (B, S, H) dense output; backward all-reduces the gradient of
+    the (B, S, H) input. Attention itself is local (each rank's heads and ALiBi slopes).
+    """
 
     def __init__(self, config, tp_group=None):
         super().__init__()
-        tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
-        tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
-        tp_rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = tp_size, tp_rank = tensor_parallel.get_group_size_and_rank(tp_group)
+        if config.num_attention_heads % tp_size != 0:
+            raise ValueError(f"--num-attention-heads {config.num_attention_heads} is not divisible by the "
+                             f"tensor-parallel size {tp_size}; choose a TP size that divides the head count")
         self.heads_per_partition = config.num_attention_heads // tp_size
         self.head_dim = config.head_dim
         std = config.init_method_std
@@ -104,7 +121,10 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> 4h (column parallel) -> tanh GeLU -> h (row parallel)."""
+    """h -> 4h (column parallel) -> tanh GeLU -> h (row parallel): sum_r GeLU(x A_r + a_r) B_r + b.
+
+    Communicates (p > 1): forward all-reduces the (B, S, H) output; backward the gradient of the input.
+    """
 
     def __init__(self, config, tp_group=None):
         super().__init__()
@@ -144,7 +164,10 @@ class BloomBlock(nn.Module):
 
 
 def parallel_lm_logits(hidden, word_embeddings_weight, tp_group):
-    """Logits of this rank's vocabulary slice: (B, S, H) @ (V/p, H)^T -> (B, S, V/p)."""
+    """Logits of this rank's vocabulary slice: (B, S, H) @ (V/p, H)^T -> (B, S, V/p).
+
+    Communicates (p > 1): nothing forward; backward all-reduces the gradient of hidden over tp_group.
+    """
     hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, tp_group)
     return F.linear(hidden, word_embeddings_weight)
 
@@ -200,13 +223,17 @@ class BloomModel(nn.Module):
 
     forward(input_ids) -> logits (vocab-parallel unless parallel_output=False);
     forward(input_ids, labels) -> per-token fp32 loss (B, S).
+
+    tp_group: the tensor-parallel ProcessGroup this rank belongs to (e.g. ParallelState.tp_group), or None for
+    one rank. The model depends only on (config, tp_group), never on what was initialised globally.
     """
 
     def __init__(self, config, parallel_output=True, tp_group=None):
         super().__init__()
         self.config = config
         self.parallel_output = parallel_output
-        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = tensor_parallel.get_group_size_and_rank(tp_group)
         self.embedding = BloomEmbedding(config, self.tp_group)
         self.layers = nn.ModuleList(BloomBlock(config, i, self.tp_group) for i in range(config.num_layers))
         self.final_layernorm = make_layernorm(config, config.hidden_size)

@@ -6,6 +6,9 @@ The word embedding lives on the first and the last stage; DeepSpeed all-reduces 
 embedding group. Between stages only the hidden states (B, S, H) travel. The loss function receives the
 vocab-parallel logits and the labels. canonical_name() maps the module's parameter names to the
 names BloomModel uses, so checkpoints and tools see one layout whatever the PP size.
+
+The tensor-parallel group is passed in (tp_group, as for BloomModel) and handed to every layer spec and the loss;
+it must be this rank's group along the topology's "model" axis.
 """
 import re
 
@@ -13,7 +16,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.model.bloom import BloomBlock, BloomEmbedding, make_layernorm, parallel_lm_logits
 
 
@@ -52,15 +55,24 @@ class _LossFn:
                                                             inplace_backward=True).mean()
 
 
-def build_pipeline_model(config, topology, checkpoint_activations=False, activation_checkpoint_func=None):
-    """PipelineModule for config (ModelConfig) over DeepSpeed's PipeModelDataParallelTopology."""
-    specs = [TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr="word_embeddings_weight")]
-    specs += [LayerSpec(BloomBlockPipe, config, i) for i in range(config.num_layers)]
+def build_pipeline_model(config, topology, checkpoint_activations=False, activation_checkpoint_func=None,
+                         tp_group=None):
+    """PipelineModule for config (ModelConfig) over DeepSpeed's PipeModelDataParallelTopology.
+
+    tp_group: this rank's tensor-parallel ProcessGroup (None for TP = 1); its size must be the topology's
+    "model" axis.
+    """
+    tp_size, _ = tensor_parallel.get_group_size_and_rank(tp_group)
+    if topology.get_dim("model") != tp_size:
+        raise ValueError(f"the pipeline topology has {topology.get_dim('model')} tensor-parallel ranks but "
+                         f"tp_group has {tp_size}; pass the tensor-parallel group of this layout")
+    specs = [TiedLayerSpec("embed", EmbeddingPipe, config, tp_group, tied_weight_attr="word_embeddings_weight")]
+    specs += [LayerSpec(BloomBlockPipe, config, i, tp_group) for i in range(config.num_layers)]
     specs += [LayerSpec(FinalLayerNormPipe, config)]
-    specs += [TiedLayerSpec("embed", EmbeddingPipe, config, forward_fn=_lm_head,
+    specs += [TiedLayerSpec("embed", EmbeddingPipe, config, tp_group, forward_fn=_lm_head,
                             tied_weight_attr="word_embeddings_weight")]
     return PipelineModule(
-        layers=specs, loss_fn=_LossFn(parallel_state.get_tensor_model_parallel_group()), topology=topology,
+        layers=specs, loss_fn=_LossFn(tp_group), topology=topology,
         partition_method="type:BloomBlockPipe",
         activation_checkpoint_interval=1 if checkpoint_activations else 0,
         activation_checkpoint_func=activation_checkpoint_func or tensor_parallel.checkpoint,

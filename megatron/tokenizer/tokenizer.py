@@ -1,4 +1,4 @@
-"""Megatron tokenizers (GPT2BPETokenizer, PretrainedFromHF) on the Hugging Face `tokenizers` library, and vocab padding.
+"""Megatron tokenizers (GPT2BPETokenizer, PretrainedFromHF) on the Hugging Face `tokenizers` library, type inference.
 
 Both types wrap a `tokenizers.Tokenizer`, so ids are exactly what that library gives for the same files,
 and encoding runs in Rust (`tokenize_batch` encodes many documents in parallel).
@@ -9,6 +9,7 @@ import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from megatron.config import pad_vocab_size  # noqa: F401  (vocab padding is config arithmetic; kept importable here)
 from megatron.tokenizer.hf_files import (
     default_special_tokens,
     is_bloom_style_vocab,
@@ -21,33 +22,6 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "PretrainedFromHF")
 PAD_TOKEN = "<pad>"
-
-
-def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-                   pad_vocab_size_to=None):
-    """Vocab size of the embedding: orig rounded up to a multiple of make_vocab_size_divisible_by * TP.
-
-    BLOOM: 250680 -> 250880 for 128 with TP 2, 4 or 8 (250752 with TP 1: BLOOM was trained at TP 4). With pad_vocab_size_to the caller picks the size;
-    it must hold every token and split evenly over the tensor-parallel ranks.
-    """
-    if make_vocab_size_divisible_by < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by} must be >= 1 "
-                         "(128 is the usual value)")
-    if tensor_model_parallel_size < 1:
-        raise ValueError(f"--tensor-model-parallel-size {tensor_model_parallel_size} must be >= 1")
-    if pad_vocab_size_to is not None:
-        if pad_vocab_size_to < orig_vocab_size:
-            raise ValueError(f"--pad-vocab-size-to {pad_vocab_size_to} is smaller than the tokenizer's "
-                             f"vocabulary of {orig_vocab_size} tokens; pass a value >= {orig_vocab_size} "
-                             "or leave it unset")
-        if pad_vocab_size_to % tensor_model_parallel_size != 0:
-            fixed = -(-pad_vocab_size_to // tensor_model_parallel_size) * tensor_model_parallel_size
-            raise ValueError(f"--pad-vocab-size-to {pad_vocab_size_to} is not divisible by "
-                             f"--tensor-model-parallel-size {tensor_model_parallel_size}; pass a multiple of "
-                             f"{tensor_model_parallel_size} (for example {fixed})")
-        return pad_vocab_size_to
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-orig_vocab_size // multiple) * multiple
 
 
 class AbstractTokenizer:
@@ -210,6 +184,19 @@ class PretrainedFromHFTokenizer(AbstractTokenizer):
             return Tokenizer.from_file(path)
         except Exception as exc:  # tokenizers raises a bare Exception for bad files
             raise ValueError(f"--tokenizer-name-or-path {path}: not a valid tokenizer.json ({exc})") from exc
+
+
+def infer_tokenizer_type(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_name_or_path=None):
+    """--tokenizer-type, or when it is unset: GPT2BPETokenizer when --vocab-file or --merge-file is given (a
+    missing half is then named by build_tokenizer), else PretrainedFromHF with --tokenizer-name-or-path."""
+    if tokenizer_type:
+        return tokenizer_type
+    if vocab_file or merge_file:
+        return "GPT2BPETokenizer"
+    if tokenizer_name_or_path:
+        return "PretrainedFromHF"
+    raise ValueError("no tokenizer: pass --vocab-file and --merge-file (GPT2BPETokenizer) or "
+                     "--tokenizer-name-or-path (PretrainedFromHF: a local Hugging Face tokenizer folder)")
 
 
 def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, tokenizer_name_or_path=None):

@@ -1,9 +1,14 @@
-"""Attention backends agree on the GPU (bf16), forward and backward, and the model picks one that works."""
+"""Attention backends agree on the GPU (bf16), forward and backward, and the model picks one that works.
+
+Only what needs CUDA is here: flex, the fused kernel, SDPA's CUDA kernels (cuDNN / memory-efficient: a different
+code path from the CPU's, and the one where a broadcast bias once went wrong) and auto choosing flex. SDPA on the
+CPU, backend resolution off CUDA and whole-model agreement on the CPU: tests/unit/model/test_attention_backends.py.
+"""
 import pytest
 import torch
 
 from megatron.model.alibi import get_alibi_slopes
-from megatron.model.attention import BACKENDS, CoreAttention, resolve_backend, torch_attention
+from megatron.model.attention import BACKENDS, resolve_backend, torch_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from megatron import checkpoint_tools, checkpointing
+from megatron.checkpoint import convert, hf
+from megatron.checkpoint.format import read_meta, shard_name, verify_checkpoint
+from megatron.checkpoint.io import write_manifest
 from tests.launch import PYTHON, ROOT, TINY_MODEL, TOKENIZER, env, read_losses, run_pretrain, run_tool
 
 TRAIN = TINY_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
@@ -90,7 +92,7 @@ def test_merge_to_hf_matches_our_model_and_generation(run, request, tmp_path, ca
     tokenizer = AutoTokenizer.from_pretrained(out)
     if run == "zero3":  # compare in fp32: bf16 -> fp32 is exact
         hf = BloomForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
-    ours = checkpoint_tools.build_model(checkpoint_tools.load_merged_checkpoint(str(ckpt)), torch.float32)
+    ours = convert.build_model(convert.load_merged_checkpoint(str(ckpt)), torch.float32)
     ids = torch.tensor([tokenizer(" ".join(PROMPTS))["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-4, rtol=0)
@@ -130,16 +132,16 @@ def test_hf_to_megatron_to_hf_round_trip_is_identical(tmp_path, capsys):
     torch.manual_seed(0)
     config = BloomConfig(vocab_size=PADDED_VOCAB["tp2pp2"], hidden_size=64, n_layer=4, n_head=4, tie_word_embeddings=True)
     BloomForCausalLM(config).save_pretrained(tmp_path / "hf")
-    for name in checkpoint_tools.TOKENIZER_FILES:
+    for name in convert.TOKENIZER_FILES:
         shutil.copy(TOKENIZER / name, tmp_path / "hf" / name)
     tool(capsys, "convert_hf_to_megatron", ["--hf-model-path", tmp_path / "hf", "--output-path",
                                                  tmp_path / "ours", "--target-tensor-parallel-size", "2",
                                                  "--target-pipeline-parallel-size", "2"])
     folder = tmp_path / "ours" / "iter_0000000"
     assert (tmp_path / "ours" / "latest").read_text() == "iter_0000000"
-    assert checkpointing.verify_checkpoint(str(folder)) is None
-    assert sorted(os.listdir(folder / "tokenizer")) == sorted(checkpoint_tools.TOKENIZER_FILES)
-    meta = checkpointing.read_meta(str(folder))
+    assert verify_checkpoint(str(folder)) is None
+    assert sorted(os.listdir(folder / "tokenizer")) == sorted(convert.TOKENIZER_FILES)
+    meta = read_meta(str(folder))
     assert meta["deepspeed_state"] is False and meta["iteration"] == 0
     assert meta["tensor_model_parallel_size"] == 2 and meta["pipeline_model_parallel_size"] == 2
     # the layout matches what training saves: embedding only in pp000, layers 0-1 / 2-3 per stage
@@ -170,13 +172,13 @@ def test_reshard_tp2_to_tp1_resumes_with_the_same_loss(tp2pp2, sample_data, tmp_
     tool(capsys, "merge_mp_partitions", ["--model-path", source, "--output-format", "megatron",
                                               "--target-tensor-parallel-size", "1", "--output-path", tmp_path / "tp1"])
     folder = tmp_path / "tp1" / "iter_0000004"
-    meta = checkpointing.read_meta(str(folder))
+    meta = read_meta(str(folder))
     assert meta["consumed_samples"] == 16 and meta["deepspeed_state"] is False
-    assert checkpointing.verify_checkpoint(str(folder)) is None
+    assert verify_checkpoint(str(folder)) is None
     assert json.loads((folder / "config.json").read_text())["model"]["tensor_model_parallel_size"] == 1
     # same weights after the round trip through TP 1
-    a = checkpoint_tools.load_merged_checkpoint(str(source)).weights
-    b = checkpoint_tools.load_merged_checkpoint(str(tmp_path / "tp1")).weights
+    a = convert.load_merged_checkpoint(str(source)).weights
+    b = convert.load_merged_checkpoint(str(tmp_path / "tp1")).weights
     assert all(torch.equal(a[n], b[n]) for n in a)
 
     resume = TRAIN + ["--train-iters", "5", "--data-path", sample_data]
@@ -196,8 +198,8 @@ def test_megatron_output_named_like_a_checkpoint_and_tp2pp2_reshard(tp2pp2, tmp_
     assert merge.main(["--model-path", str(tp2pp2), "--output-format", "megatron", "--target-tensor-parallel-size",
                        "4", "--target-pipeline-parallel-size", "2", "--dtype", "bf16", "--output-path", str(out)]) == 0
     assert not (tmp_path / "latest").exists() and (out / "model_tp03_pp001.pt").is_file()
-    merged = checkpoint_tools.load_merged_checkpoint(str(out), num_partitions=4)
-    original = checkpoint_tools.load_merged_checkpoint(str(tp2pp2)).weights
+    merged = convert.load_merged_checkpoint(str(out), num_partitions=4)
+    original = convert.load_merged_checkpoint(str(tp2pp2)).weights
     assert merged.dtype == torch.bfloat16 and merged.iteration == 5
     assert all(torch.equal(merged.weights[n], original[n].to(torch.bfloat16)) for n in original)
 
@@ -209,25 +211,25 @@ def test_split_then_merge_gives_the_same_tensors(tp, pp, dtype, tmp_path):
     from megatron.model import BloomModel
 
     config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=16)
-    torch_dtype = checkpoint_tools.DTYPES[dtype]
-    weights = checkpoint_tools.cast_weights(BloomModel(config).state_dict(), torch_dtype)
-    folder = checkpoint_tools.write_megatron_checkpoint(str(tmp_path / "out"), weights, config, tp, pp,
+    torch_dtype = convert.DTYPES[dtype]
+    weights = convert.cast_weights(BloomModel(config).state_dict(), torch_dtype)
+    folder = convert.write_megatron_checkpoint(str(tmp_path / "out"), weights, config, tp, pp,
                                                         iteration=7, precision=dtype)
     assert sorted(n for n in os.listdir(folder) if n.startswith("model_")) == sorted(
-        checkpointing.shard_name(t, p) for t in range(tp) for p in range(pp))
-    merged = checkpoint_tools.load_merged_checkpoint(str(tmp_path / "out"), num_partitions=tp)
+        shard_name(t, p) for t in range(tp) for p in range(pp))
+    merged = convert.load_merged_checkpoint(str(tmp_path / "out"), num_partitions=tp)
     assert merged.iteration == 7 and merged.dtype == torch_dtype and merged.tokenizer_dir is None
     assert sorted(merged.weights) == sorted(weights)
     assert all(torch.equal(merged.weights[n], weights[n]) for n in weights)
 
 
 def test_parse_size():
-    assert checkpoint_tools.parse_size("5GB") == 5 * 10 ** 9
-    assert checkpoint_tools.parse_size("2GiB") == 2 * 2 ** 30
-    assert checkpoint_tools.parse_size("300kb") == 300_000
-    assert checkpoint_tools.parse_size("1234") == 1234
+    assert hf.parse_size("5GB") == 5 * 10 ** 9
+    assert hf.parse_size("2GiB") == 2 * 2 ** 30
+    assert hf.parse_size("300kb") == 300_000
+    assert hf.parse_size("1234") == 1234
     with pytest.raises(ValueError, match="--max-shard-size"):
-        checkpoint_tools.parse_size("five gigs")
+        hf.parse_size("five gigs")
 
 
 # ---------------------------------------------------------------- bad input
@@ -242,7 +244,7 @@ def small_copy(tp2pp2, tmp_path):
         if name.startswith("model_tp") or name in ("meta.json", "config.json"):
             shutil.copy(src / name, dst / name)
     shutil.copytree(src / "tokenizer", dst / "tokenizer")
-    checkpointing.write_manifest(str(dst), 4)
+    write_manifest(str(dst), 4)
     return dst
 
 
@@ -284,7 +286,7 @@ def test_corrupt_byte_fails_the_checksum(small_copy, capsys):
 
 def test_foreign_file_named_like_a_shard(small_copy, capsys):
     (small_copy / "model_tp00_pp000.pt").write_text("not a checkpoint\n")
-    checkpointing.write_manifest(str(small_copy), 4)  # the manifest agrees: the shard reader must catch it
+    write_manifest(str(small_copy), 4)  # the manifest agrees: the shard reader must catch it
     run_merge_expecting_error(capsys, ["--model-path", small_copy], "model_tp00_pp000.pt is not a readable weight shard")
     torch.save({"something": torch.zeros(2)}, small_copy / "model_tp00_pp000.pt")
     run_merge_expecting_error(capsys, ["--model-path", small_copy, "--no-verify"],
@@ -312,14 +314,14 @@ def test_existing_output_needs_force(small_copy, tmp_path, capsys):
 
 def test_failure_while_writing_leaves_nothing(small_copy, tmp_path, capsys, monkeypatch):
     """The disk fills up after the first tensor of the safetensors file: one error line, nothing left behind."""
-    write = checkpoint_tools.SafetensorsWriter.write
+    write = hf.SafetensorsWriter.write
 
     def fills_up(self, block):
         if self.index > 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(self, block)
 
-    monkeypatch.setattr(checkpoint_tools.SafetensorsWriter, "write", fills_up)
+    monkeypatch.setattr(hf.SafetensorsWriter, "write", fills_up)
     out = tmp_path / "half"
     assert load_tool("merge_mp_partitions").main(["--model-path", str(small_copy), "--output-path", str(out)]) == 2
     err = capsys.readouterr().err.strip()

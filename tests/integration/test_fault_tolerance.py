@@ -1,8 +1,10 @@
 """Faults during real 2-process runs (deepspeed launcher, CPU, gloo): kill -9 anywhere, a failed save, corrupt
 checkpoints, SIGTERM/SIGINT, NaN losses in bf16/fp32/fp16, one rank raising. Faults are injected through
-MEGATRON_TEST_FAULT (megatron.fault_injection.TestFaults); every relaunch uses the same command line.
+MEGATRON_TEST_FAULT, which tests/train_with_faults.py turns into a training callback (tests/faults.py); every
+relaunch uses the same command line.
 """
 import json
+import math
 import os
 import re
 import signal
@@ -12,9 +14,9 @@ import time
 
 import pytest
 
-from megatron.checkpointing import read_latest, verify_checkpoint
-from tests.launch import DEEPSPEED, ROOT, TINY_MODEL, TOKENIZER, _cleanup_shm, _free_port, env, read_losses, \
-    run_pretrain
+from megatron.checkpoint.format import read_latest, verify_checkpoint
+from tests.launch import DEEPSPEED, FAULT_LAUNCHER, ROOT, TINY_MODEL, TOKENIZER, _cleanup_shm, _free_port, env, \
+    read_losses, run_pretrain
 
 ITERS = 12
 
@@ -33,10 +35,6 @@ def resumable(sample_data, out, *extra):
     """The one command every launch of a fault test uses: --load = --save, so the first launch starts fresh."""
     save = str(out / "ckpt")
     return args(sample_data, out, "--save", save, "--load", save, *extra)
-
-
-def fault(spec):
-    return {"MEGATRON_TEST_FAULT": spec}
 
 
 def all_records(metrics_file):
@@ -77,7 +75,7 @@ def test_kill_anywhere_failed_save_and_corrupt_checkpoint_then_relaunch_continue
         ("kill_at=8:rank=0:phase=save", "iter_0000006"),  # dies after writing its files, before the manifest
     ]
     for spec, latest in steps:
-        proc = run_pretrain(cmd, 2, extra_env=fault(spec), check=False, timeout=120)
+        proc = run_pretrain(cmd, 2, faults=spec, check=False, timeout=120)
         assert proc.returncode != 0, spec
         assert read_latest(str(save)) == latest, (spec, proc.stderr[-3000:])
         assert verify_checkpoint(str(save / latest)) is None
@@ -103,10 +101,11 @@ def test_kill_anywhere_failed_save_and_corrupt_checkpoint_then_relaunch_continue
 class Job:
     """The deepspeed launcher in its own session, so that a test can signal one worker or the whole group."""
 
-    def __init__(self, argv, extra_env=None):
+    def __init__(self, argv, faults):
         self.port = _free_port()
-        cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(self.port), str(ROOT / "pretrain_bloom.py")]
-        self.proc = subprocess.Popen(cmd + argv, cwd=ROOT, env=env(extra_env), stdout=subprocess.PIPE,
+        cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(self.port), str(FAULT_LAUNCHER)]
+        self.proc = subprocess.Popen(cmd + argv, cwd=ROOT, env=env({"MEGATRON_TEST_FAULT": faults}),
+                                     stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def worker(self, local_rank):
@@ -118,7 +117,7 @@ class Job:
                     cmdline = child.cmdline()
                 except psutil.NoSuchProcess:
                     continue
-                if f"--local_rank={local_rank}" in cmdline and any("pretrain_bloom" in c for c in cmdline):
+                if f"--local_rank={local_rank}" in cmdline and any("train_with_faults" in c for c in cmdline):
                     return child.pid
             time.sleep(0.1)
         raise AssertionError(f"worker {local_rank} not found")
@@ -151,7 +150,7 @@ def stopped_at(stderr):
 def test_sigterm_to_a_worker_saves_at_the_next_boundary_exits_0_and_resumes_exactly(
         tmp_path, sample_data, straight):
     cmd = resumable(sample_data, tmp_path, "--exit-signal-handler")
-    job = Job(cmd, fault("slow=0.2"))
+    job = Job(cmd, "slow=0.2")
     job.wait_for_iteration(tmp_path / "metrics.jsonl", 3)
     os.kill(job.worker(1), signal.SIGTERM)  # what a scheduler's preemption notice does to one process
     returncode, _, stderr = job.finish()
@@ -169,7 +168,7 @@ def test_sigterm_to_a_worker_saves_at_the_next_boundary_exits_0_and_resumes_exac
 def test_sigint_to_the_whole_job_saves_on_every_rank(tmp_path, sample_data):
     """Ctrl-C (SIGINT to the launcher's process group): the workers save at the next boundary and exit 0; the
     deepspeed launcher itself exits non-zero after forwarding SIGTERM (its behaviour, see docs/FAULTS.md)."""
-    job = Job(resumable(sample_data, tmp_path, "--exit-signal-handler"), fault("slow=0.2"))
+    job = Job(resumable(sample_data, tmp_path, "--exit-signal-handler"), "slow=0.2")
     job.wait_for_iteration(tmp_path / "metrics.jsonl", 2)
     os.killpg(job.proc.pid, signal.SIGINT)
     returncode, _, stderr = job.finish()
@@ -186,15 +185,18 @@ NAN_LAYOUTS = [("fp32-zero0-dp2", 2, 1, []), ("bf16-zero1", 1, 0, ["--bf16", "--
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,nproc,rank,flags", NAN_LAYOUTS, ids=[layout[0] for layout in NAN_LAYOUTS])
-def test_nan_skips_the_update_and_stops_after_max_nan_iterations(tmp_path, sample_data, name, nproc, rank, flags):
+def test_nan_skips_the_update_and_stops_after_max_nan_iterations(tmp_path, sample_data, straight, name, nproc, rank,
+                                                                 flags):
     # NaN at iteration 3 (one bad iteration), then from iteration 6 on (never recovers)
     cmd = resumable(sample_data, tmp_path, "--save-interval", "2", "--max-nan-iterations", "3", *flags)
-    proc = run_pretrain(cmd, nproc, extra_env=fault(f"nan_at=3,6-:rank={rank}"), check=False, timeout=120)
+    proc = run_pretrain(cmd, nproc, faults=f"nan_at=3,6-:rank={rank}", check=False, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     records = {r["iteration"]: r for r in all_records(tmp_path / "metrics.jsonl")}
     assert sorted(records) == list(range(1, 9))
+    if name == "fp32-zero0-dp2":  # the straight run's command and layout: the same losses before the fault
+        assert [records[it]["lm_loss"] for it in (1, 2)] == pytest.approx([straight[1], straight[2]], abs=1e-6)
     for it in (1, 2, 4, 5):  # the update of iteration 3 was not applied: the weights stayed finite
-        assert records[it]["lm_loss"] == pytest.approx(records[it]["lm_loss"]) and records[it]["lm_loss"] < 20
+        assert math.isfinite(records[it]["lm_loss"]) and records[it]["lm_loss"] < 20, records[it]
     assert records[5]["skipped_iterations"] == 1 and records[5]["nan_iterations"] == 1
     assert records[8]["skipped_iterations"] == 4 and records[8]["nan_iterations"] == 4
     assert records[4]["lr"] > records[3]["lr"] == records[2]["lr"]  # the LR schedule waited for iteration 3
@@ -213,14 +215,15 @@ def test_nan_skips_the_update_and_stops_after_max_nan_iterations(tmp_path, sampl
 # and fp16 runs fine in torch without it): the run goes through main() with that capability check bypassed.
 FP16_ON_CPU = ("import sys; from deepspeed.accelerator import get_accelerator; "
                "get_accelerator().is_fp16_supported = lambda: True; "
-               "import pretrain_bloom; pretrain_bloom.main(sys.argv[1:])")
+               "import pretrain_bloom; from tests.faults import TestFaults; "
+               "pretrain_bloom.main(sys.argv[1:], callbacks=[TestFaults.from_env()])")
 
 
 @pytest.mark.slow
 def test_fp16_nan_is_skipped_by_the_loss_scaler_and_training_continues(tmp_path, sample_data):
     cmd = args(sample_data, tmp_path, "--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", iters=6)
     proc = subprocess.run([sys.executable, "-c", FP16_ON_CPU, *cmd], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env({**fault("nan_at=3"), "MASTER_PORT": str(_free_port())}))
+                          timeout=120, env=env({"MEGATRON_TEST_FAULT": "nan_at=3", "MASTER_PORT": str(_free_port())}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["iteration"]: r for r in all_records(tmp_path / "metrics.jsonl")}
     assert records[3]["skipped_iterations"] == records[2]["skipped_iterations"] + 1
@@ -232,7 +235,7 @@ def test_fp16_nan_is_skipped_by_the_loss_scaler_and_training_continues(tmp_path,
 @pytest.mark.slow
 def test_one_rank_raising_stops_the_whole_job(tmp_path, sample_data):
     start = time.time()
-    proc = run_pretrain(args(sample_data, tmp_path), 2, extra_env=fault("raise_at=3:rank=1"), check=False,
+    proc = run_pretrain(args(sample_data, tmp_path), 2, faults="raise_at=3:rank=1", check=False,
                         timeout=120)
     elapsed = time.time() - start
     assert proc.returncode != 0 and elapsed < 90

@@ -68,7 +68,7 @@ def test_bf16_pipeline_run_shows_only_our_lines_and_leaves_no_shm():
 @pytest.mark.slow
 def test_debug_level_shows_deepspeed_and_a_killed_run_leaves_no_shm():
     proc = run_pretrain(TRAIN + ["--global-batch-size", "8", "--zero-stage", "1", "--log-level", "debug"], nproc=2,
-                        extra_env={"MEGATRON_TEST_FAULT": "kill_at=2:rank=1"}, check=False)
+                        faults="kill_at=2:rank=1", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "SIGKILL at iteration 2" in proc.stderr, out[-3000:]

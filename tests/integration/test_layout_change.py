@@ -70,7 +70,7 @@ def test_resume_on_another_layout_equals_uninterrupted(layout, source, sample_da
     now = f"TP {tp}, PP {pp}, DP {nproc // (tp * pp)}, ZeRO {flags[5]}, fp32"
     lines = [line for line in proc.stderr.splitlines() if "resuming on another layout" in line]
     assert len(lines) == 1 and lines[0].endswith(
-        "[rank 0] WARNING megatron.checkpointing: resuming on another layout: the checkpoint was trained on "
+        "[rank 0] WARNING megatron.checkpoint.load: resuming on another layout: the checkpoint was trained on "
         f"TP 2, PP 2, DP 1, ZeRO 0, fp32, this run is {now} (weights, optimizer state, LR schedule, loss scale and "
         "data position carried over; RNG states restart)"), lines
     assert_continues(source / "metrics.jsonl", tmp_path / "metrics.jsonl", LOSS_TOLERANCE)

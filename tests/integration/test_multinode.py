@@ -9,7 +9,7 @@ CROSS_RANK) and its TP and DP groups with the nodes of their members (gathered o
 scripts' flags are checked too: they resolve into a valid job for the example hostfile's 2 nodes of 8.
 
 Not covered here: resuming a one-node checkpoint on two nodes (it depends on the optimizer-state layout of
-megatron/engine_state.py).
+megatron/checkpoint/optimizer_state.py).
 """
 import glob
 import json
@@ -29,23 +29,24 @@ PROBE = """
 import json, os, sys
 import torch.distributed as dist
 import pretrain_bloom
-from megatron.core import parallel_state
+from megatron.training import Callback
 
-def record(iteration, loss):
-    if iteration != 1:
-        return
-    state = parallel_state.get_parallel_state()
-    node = int(os.environ["CROSS_RANK"])
-    tp_nodes, dp_nodes = [None] * state.tensor_model_parallel_size, [None] * state.data_parallel_size
-    dist.all_gather_object(tp_nodes, node, group=state.tp_group)
-    dist.all_gather_object(dp_nodes, node, group=state.dp_group)
-    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{state.rank}.json"), "w") as f:
-        json.dump({"rank": state.rank, "node": node, "local_rank": int(os.environ["LOCAL_RANK"]),
-                   "local_size": int(os.environ["LOCAL_SIZE"]), "world_size": dist.get_world_size(),
-                   "tp_ranks": list(state.tp_ranks), "dp_ranks": list(state.dp_ranks),
-                   "tp_nodes": tp_nodes, "dp_nodes": dp_nodes}, f)
+class Probe(Callback):  # where each rank runs and who its TP and DP peers are, at iteration 1
+    def on_iteration_end(self, trainer, iteration, loss):
+        if iteration != 1:
+            return
+        state = trainer.state
+        node = int(os.environ["CROSS_RANK"])
+        tp_nodes, dp_nodes = [None] * state.tensor_model_parallel_size, [None] * state.data_parallel_size
+        dist.all_gather_object(tp_nodes, node, group=state.tp_group)
+        dist.all_gather_object(dp_nodes, node, group=state.dp_group)
+        with open(os.path.join(os.environ["PROBE_DIR"], f"rank{state.rank}.json"), "w") as f:
+            json.dump({"rank": state.rank, "node": node, "local_rank": int(os.environ["LOCAL_RANK"]),
+                       "local_size": int(os.environ["LOCAL_SIZE"]), "world_size": dist.get_world_size(),
+                       "tp_ranks": list(state.tp_ranks), "dp_ranks": list(state.dp_ranks),
+                       "tp_nodes": tp_nodes, "dp_nodes": dp_nodes}, f)
 
-pretrain_bloom.main(sys.argv[1:], step_hook=record)
+pretrain_bloom.main(sys.argv[1:], callbacks=[Probe()])
 """
 
 
@@ -123,7 +124,7 @@ def example_flags(extra_env):
 def test_example_flags_resolve_for_two_nodes_of_eight(sample_data, monkeypatch, tp, pp):
     """The examples' flags make a valid 16-process job (batch arithmetic, DeepSpeed JSON, layout) in which every
     TP group lies inside one node of examples/multinode/hostfile; the scripts are valid bash."""
-    import pretrain_bloom
+    from megatron.arguments import load_and_resolve
     from deepspeed.launcher.runner import fetch_hostfile
 
     for script in ("train_flags.sh", "pretrain_pdsh.sh", "pretrain_no_ssh.sh", "pretrain_slurm.sbatch"):
@@ -132,7 +133,7 @@ def test_example_flags_resolve_for_two_nodes_of_eight(sample_data, monkeypatch, 
     assert dict(hosts) == {"node1": 8, "node2": 8}
     flags = example_flags({"TP": str(tp), "PP": str(pp), "DATA_PATH": sample_data, "TOKENIZER": str(TOKENIZER)})
     monkeypatch.setenv("WORLD_SIZE", "16")
-    config, ds_config, _ = pretrain_bloom.resolve_config(flags)
+    config, ds_config, _ = load_and_resolve(flags)
     dp = 16 // (tp * pp)
     assert (config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size) == (tp, pp)
     assert ds_config["train_batch_size"] == 256 == ds_config["train_micro_batch_size_per_gpu"] * \

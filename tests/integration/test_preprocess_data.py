@@ -4,6 +4,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -52,15 +53,23 @@ def _documents(prefix):
     return dataset, [dataset.get_document(d).tolist() for d in range(len(dataset.doc_idx) - 1)]
 
 
-def test_output_equals_tokenizer_ids(tmp_path, texts, tokenizer, capsys):
+def test_output_equals_tokenizer_ids(tmp_path, texts, tokenizer, capsys, monkeypatch):
     data = _jsonl(tmp_path / "c4.jsonl", [{"text": t, "timestamp": "2019-04-25", "url": "u"} for t in texts])
+    monkeypatch.setattr(preprocess_data, "read_chunks", functools.partial(read_chunks, chunk_lines=50))
     assert _run(data, tmp_path / "out", "--append-eod", "--log-interval", "50") == 0
     dataset, documents = _documents(tmp_path / "out")
-    assert dataset.dtype == np.uint16 and len(documents) == len(texts)
-    assert documents == [ids + [tokenizer.eod] for ids in tokenizer.tokenize_batch(texts)]
-    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("Processed")]
-    assert progress[0].startswith("Processed 50 documents (") or progress[0].startswith("Processed 1")
-    assert all(word in progress[-1] for word in ("docs/s", "MB/s", "tokens", "ETA"))
+    expected = [ids + [tokenizer.eod] for ids in tokenizer.tokenize_batch(texts)]
+    assert dataset.dtype == np.uint16 and len(documents) == 150
+    assert documents == expected
+    # one line per 50 documents (a chunk of 50 lines each), then the final line: documents, tokens, input read
+    line_bytes = [len(line) for line in (tmp_path / "c4.jsonl").read_bytes().splitlines(keepends=True)]
+    progress = [re.fullmatch(r"Processed (\d+) documents \([\d.]+ docs/s, [\d.]+ MB/s, (\d+) tokens, ([\d.]+)% of "
+                             r"input, ETA \d\d:\d\d:\d\d\)", line)
+                for line in capsys.readouterr().err.splitlines() if line.startswith("Processed")]
+    assert [match.groups() for match in progress] == [
+        (str(n), str(sum(map(len, expected[:n]))), f"{100 * sum(line_bytes[:n]) / sum(line_bytes):.1f}")
+        for n in (50, 100, 150, 150)]
+    assert progress[-1].group(3) == "100.0"
     assert sorted(os.listdir(tmp_path)) == ["c4.jsonl", "out_text_document.bin", "out_text_document.idx"]
 
 

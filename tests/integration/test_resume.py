@@ -202,7 +202,7 @@ def test_changed_schedule_flags_are_named_in_one_warning(matrix, sample_data, tm
     expected = ("resume: --train-iters 8 -> 16 (checkpoint's value -> now): the cosine decay now ends at iteration "
                 "16; lr at iteration 5 is 9.48e-4 instead of 6.89e-4")
     lines = [line for line in proc.stderr.splitlines() if "resume: " in line]
-    assert len(lines) == 1 and lines[0].endswith("[rank 0] WARNING megatron.checkpointing: " + expected), lines
+    assert len(lines) == 1 and lines[0].endswith("[rank 0] WARNING megatron.checkpoint.load: " + expected), lines
     now = records(tmp_path / "metrics.jsonl")[6]["lr"]
     assert now == AnnealingLR(type("NoGroups", (), {"param_groups": []})(), 1e-3, 1e-4, 3, 16, "cosine").get_lr(6)
     assert not math.isclose(now, records(source["out"] / "straight" / "metrics.jsonl")[6]["lr"])

@@ -1,14 +1,13 @@
 """Configuration errors stop the run before any work, with a message naming the flags, values and fix."""
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from pretrain_bloom import resolve_config
+from megatron.arguments import load_and_resolve, parse_args, resolve
 from tests.launch import ROOT, TOKENIZER, env
 
 DOC_COMMAND = (
@@ -30,9 +29,8 @@ def doc_args(tmp_path, sample_data):
     return [arg.format(**values) for arg in DOC_COMMAND]
 
 
-def resolve(args, world, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    return resolve_config(args)
+def load(args, world):
+    return load_and_resolve(args, world_size=world)
 
 
 def replace(args, flag, value):
@@ -41,40 +39,40 @@ def replace(args, flag, value):
     return out
 
 
-def test_document_command_on_four_gpus_says_what_fits(doc_args, monkeypatch):
+def test_document_command_on_four_gpus_says_what_fits(doc_args):
     with pytest.raises(ValueError) as err:
-        resolve(doc_args, 4, monkeypatch)
+        load(doc_args, 4)
     assert str(err.value) == (
         "--tensor-model-parallel-size 4 x --pipeline-model-parallel-size 2 = 8 processes per model replica, "
         "which does not divide the 4 processes launched; launch a multiple of 8 processes or pick a layout "
         "that fits 4: TP 1 x PP 1, TP 1 x PP 2, TP 1 x PP 4, TP 2 x PP 1, TP 2 x PP 2, TP 4 x PP 1")
 
 
-def test_document_json_contradicts_itself(doc_args, monkeypatch):
+def test_document_json_contradicts_itself(doc_args):
     with pytest.raises(ValueError) as err:
-        resolve(doc_args, 8, monkeypatch)
+        load(doc_args, 8)
     assert str(err.value) == (
         "DeepSpeed config contradicts itself: train_batch_size 8 must equal train_micro_batch_size_per_gpu 4 x "
         "gradient_accumulation_steps 4 x data-parallel size 1 = 16; set train_batch_size to 16 or "
         "gradient_accumulation_steps to 2, or drop the batch keys and let the flags decide")
 
 
-def test_document_command_with_consistent_json_resolves(doc_args, monkeypatch, tmp_path):
+def test_document_command_with_consistent_json_resolves(doc_args, tmp_path):
     ds = tmp_path / "ds_config.json"
     ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
                               "gradient_accumulation_steps": 2, "bf16": {"enabled": True}}))
-    config, ds_dict, tokenizer = resolve(doc_args, 8, monkeypatch)
+    config, ds_dict, tokenizer = load(doc_args, 8)
     assert config.parallel.data_parallel_size == 1
     assert config.training.gradient_accumulation_steps == 2
     assert config.optimizer.lr_warmup_iters == 500
     assert config.model.vocab_size == 8192  # the 8000-token example tokenizer padded to 128 x TP 4
-    assert ds_dict["train_batch_size"] == 8 and ds_dict["bf16"]["enabled"] and ds_dict["gradient_clipping"] == 1.0
+    assert (ds_dict["train_batch_size"], ds_dict["bf16"], ds_dict["gradient_clipping"]) == (8, {"enabled": True}, 1.0)
     assert ds_dict["zero_optimization"]["stage"] == 0
 
 
-def test_flags_alone_configure_deepspeed(doc_args, monkeypatch):
+def test_flags_alone_configure_deepspeed(doc_args):
     args = doc_args[:doc_args.index("--deepspeed_config")] + doc_args[doc_args.index("--deepspeed_config") + 2:]
-    config, ds_dict, _ = resolve(args + ["--zero-stage", "1"], 16, monkeypatch)
+    config, ds_dict, _ = load(args + ["--zero-stage", "1"], 16)
     assert (ds_dict["train_batch_size"], ds_dict["train_micro_batch_size_per_gpu"],
             ds_dict["gradient_accumulation_steps"]) == (8, 4, 1)
     assert ds_dict["zero_optimization"]["stage"] == 1
@@ -99,12 +97,13 @@ CASES = [
      "--zero-stage 3 cannot be combined with --pipeline-model-parallel-size 2: DeepSpeed's pipeline engine "
      "supports ZeRO 0 and 1; use --zero-stage 1 or --pipeline-model-parallel-size 1"),
     ("precision", 8, ["--fp16"],
-     "DeepSpeed config bf16.enabled=True contradicts --fp16 ; pick one precision"),
+     "--bf16 and --fp16 are both set (as flags or as bf16.enabled and fp16.enabled in the DeepSpeed JSON); "
+     "choose one"),
 ]
 
 
 @pytest.mark.parametrize("name,world,overrides,message", CASES, ids=[c[0] for c in CASES])
-def test_config_errors(doc_args, monkeypatch, tmp_path, name, world, overrides, message):
+def test_config_errors(doc_args, tmp_path, name, world, overrides, message):
     ds = tmp_path / "ok.json"
     ds.write_text(json.dumps({"bf16": {"enabled": True}}))
     args = replace(doc_args, "--deepspeed_config", str(ds))
@@ -116,18 +115,18 @@ def test_config_errors(doc_args, monkeypatch, tmp_path, name, world, overrides, 
     if overrides == ["--fp16"]:
         args = [a for a in args if a != "--bf16"] + ["--fp16"]
     with pytest.raises(ValueError) as err:
-        resolve(args, world, monkeypatch)
+        load(args, world)
     assert str(err.value) == message
 
 
-def test_missing_data_files(doc_args, monkeypatch, tmp_path):
+def test_missing_data_files(doc_args, tmp_path):
     args = replace(doc_args, "--data-path", str(tmp_path / "c4_en"))
     args = replace(args, "--deepspeed_config", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="^--deepspeed_config .*missing.json: file not found"):
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     args = [a for a in args if a not in ("--deepspeed_config", str(tmp_path / "missing.json"))]
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     prefix = str(tmp_path / "c4_en")
     assert str(err.value) == (f"--data-path {prefix}: {prefix}.bin does not exist; run tools/preprocess_data.py "
                               "first or fix the prefix (no .bin/.idx suffix)")
@@ -142,15 +141,15 @@ def test_cli_stops_before_any_work_with_one_line(doc_args):
     assert "deepspeed" not in proc.stderr.lower().replace("--deepspeed", "")
 
 
-def test_partition_activations_needs_checkpointing(doc_args, monkeypatch, tmp_path):
+def test_partition_activations_needs_checkpointing(doc_args, tmp_path):
     ds = tmp_path / "ok.json"
     ds.write_text(json.dumps({"bf16": {"enabled": True}}))
     args = replace(doc_args, "--deepspeed_config", str(ds)) + ["--partition-activations"]
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == ("--partition-activations splits the activations that --checkpoint-activations keeps "
                               "across tensor-parallel ranks; add --checkpoint-activations")
-    config, ds_dict, _ = resolve(args + ["--checkpoint-activations"], 8, monkeypatch)
+    config, ds_dict, _ = load(args + ["--checkpoint-activations"], 8)
     assert ds_dict["activation_checkpointing"]["partition_activations"] is True
 
 
@@ -176,11 +175,11 @@ def with_json(args, tmp_path, content):
     return replace(args, "--deepspeed_config", str(ds)), str(ds)
 
 
-def test_document_json_keys_act_as_the_flags_they_name(doc_args, monkeypatch, tmp_path, caplog):
+def test_document_json_keys_act_as_the_flags_they_name(doc_args, tmp_path, caplog):
     args, ds = with_json(without(doc_args, *DOC_FLAGS_OF_KEYS), tmp_path,
                          {"train_batch_size": 8, "bf16": {"enabled": True}, **DOC_JSON_FLAG_KEYS})
     with caplog.at_level(logging.INFO, logger="megatron"):
-        config, ds_dict, _ = resolve(args, 8, monkeypatch)
+        config, ds_dict, _ = load(args, 8)
     opt = config.optimizer
     assert (opt.lr, opt.min_lr, opt.lr_decay_style, opt.lr_warmup_iters, opt.weight_decay, opt.clip_grad) == \
         (6e-5, 1e-6, "cosine", 500, 0.1, 0.5)
@@ -199,25 +198,25 @@ def test_document_json_keys_act_as_the_flags_they_name(doc_args, monkeypatch, tm
     ("lr_decay_style", "linear", "--lr-decay-style", "cosine", "--lr-decay-style cosine"),
     ("warmup_iters", 100, "--warmup", "500", "--lr-warmup-iters 500.0"),
 ], ids=["lr", "explicit-default", "choice", "alias"])
-def test_json_key_contradicting_an_explicit_flag_stops(doc_args, monkeypatch, tmp_path, key, value, flag,
+def test_json_key_contradicting_an_explicit_flag_stops(doc_args, tmp_path, key, value, flag,
                                                        flag_value, shown):
     args, _ = with_json(replace(doc_args, flag, flag_value), tmp_path, {key: value})
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == (f"DeepSpeed config {key}={json.dumps(value)} contradicts {shown}; make them equal "
                               "or drop the key from the JSON")
 
 
-def test_json_key_equal_to_the_flag_and_defaulted_flags(doc_args, monkeypatch, tmp_path):
+def test_json_key_equal_to_the_flag_and_defaulted_flags(doc_args, tmp_path):
     args, _ = with_json(doc_args, tmp_path, {"lr": 6e-5, "min_lr": 1e-6, "seed": 7, "hidden_dropout": 0.1})
-    config, _, _ = resolve(args, 8, monkeypatch)
-    assert (config.optimizer.lr, config.training.seed, config.model.hidden_dropout) == (6e-5, 7, 0.1)
+    config, _, _ = load(args, 8)
+    assert (config.optimizer.lr, config.model.seed, config.model.hidden_dropout) == (6e-5, 7, 0.1)
 
 
-def test_unknown_json_keys_warned_once_by_name(doc_args, monkeypatch, tmp_path, caplog):
+def test_unknown_json_keys_warned_once_by_name(doc_args, tmp_path, caplog):
     args, ds = with_json(doc_args, tmp_path, {"gradient_cliping": 1.0, "foo_bar": 2, "steps_per_print": 10})
     with caplog.at_level(logging.WARNING, logger="megatron"):
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         f"DeepSpeed config {ds}: key gradient_cliping is neither DeepSpeed's nor a flag's; ignored "
         "(did you mean gradient_clipping?)",
@@ -244,33 +243,33 @@ def test_deepspeed_keys_come_from_deepspeed():
     ({"warmup": 10, "warmup_iters": 20}, "DeepSpeed config warmup_iters=20 contradicts its warmup=10 (both set "
                                          "--lr-warmup-iters); keep one"),
 ], ids=["type", "choice", "integer", "two-keys"])
-def test_bad_json_flag_values(doc_args, monkeypatch, tmp_path, content, message):
+def test_bad_json_flag_values(doc_args, tmp_path, content, message):
     args, _ = with_json(without(doc_args, "--lr", "--lr-decay-style", "--log-interval", "--warmup"), tmp_path,
                         content)
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == message
 
 
-def test_removed_deepspeed_section_stops_before_launching_anything(doc_args, monkeypatch, tmp_path):
+def test_removed_deepspeed_section_stops_before_launching_anything(doc_args, tmp_path):
     from megatron.deepspeed_config import removed_deepspeed_keys
     args, ds = with_json(doc_args, tmp_path, {"elasticity": {"enabled": True}})
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == f"--deepspeed_config {ds}: {removed_deepspeed_keys()['elasticity']}"
 
 
-def test_required_flags_from_the_command_line_or_the_json(doc_args, monkeypatch, tmp_path):
+def test_required_flags_from_the_command_line_or_the_json(doc_args, tmp_path):
     args, _ = with_json(without(doc_args, "--lr", "--micro-batch-size"), tmp_path, {"bf16": {"enabled": True}})
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == ("missing required flags: --micro-batch-size, --lr; pass them on the command line "
                               "(or as micro_batch_size, lr in the --deepspeed_config JSON)")
     args, _ = with_json(args, tmp_path, {"lr": 1e-4, "train_micro_batch_size_per_gpu": 4})
     with pytest.raises(ValueError, match="^missing required flags: --micro-batch-size;"):
-        resolve(args, 8, monkeypatch)  # DeepSpeed's own micro batch key does not stand in for the flag
+        load(args, 8)  # DeepSpeed's own micro batch key does not stand in for the flag
     args, _ = with_json(args, tmp_path, {"lr": 1e-4, "micro_batch_size": 4})
-    config, _, _ = resolve(args, 8, monkeypatch)
+    config, _, _ = load(args, 8)
     assert (config.optimizer.lr, config.training.micro_batch_size) == (1e-4, 4)
 
 
@@ -295,21 +294,93 @@ BATCH_CASES = [
 
 
 @pytest.mark.parametrize("name,flags,content,message", BATCH_CASES, ids=[c[0] for c in BATCH_CASES])
-def test_indivisible_batch_says_what_fits(doc_args, monkeypatch, tmp_path, name, flags, content, message):
+def test_indivisible_batch_says_what_fits(doc_args, tmp_path, name, flags, content, message):
     args, _ = with_json(replace(without(doc_args, "--batch-size"), "--micro-batch-size", "3") + flags, tmp_path,
                         content)
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == message
 
 
-def test_divisible_batch_names_the_accumulation_that_fits(doc_args, monkeypatch, tmp_path):
+def test_divisible_batch_names_the_accumulation_that_fits(doc_args, tmp_path):
     args, _ = with_json(doc_args, tmp_path, {"gradient_accumulation_steps": 1})
     with pytest.raises(ValueError) as err:
-        resolve(args, 8, monkeypatch)
+        load(args, 8)
     assert str(err.value) == ("DeepSpeed config gradient_accumulation_steps 1 x --micro-batch-size 4 x data-parallel "
                               "size 1 = 4 differs from --global-batch-size 8; set gradient_accumulation_steps to 2 "
                               "or drop it")
+
+
+MOCK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "10", "--mock-data"]
+
+
+def test_resolve_is_pure_and_leaves_the_namespace_alone():
+    args = parse_args(MOCK + ["--deepspeed_config", "never-read.json", "--tensor-model-parallel-size", "2"])
+    before = dict(vars(args))
+    config, ds_dict = resolve(args, 8, {"clip_grad": 0.5, "gradient_accumulation_steps": 3}, None, 1000)
+    assert vars(args) == before  # clip_grad stays None, global_batch_size unset
+    assert (config.parallel.data_parallel_size, config.training.global_batch_size, config.optimizer.clip_grad,
+            config.model.vocab_size, config.deepspeed_config) == (4, 24, 0.5, 1024, "never-read.json")
+    assert (ds_dict["train_batch_size"], ds_dict["gradient_accumulation_steps"], ds_dict["gradient_clipping"]) == \
+        (24, 3, 0.5)
+    assert resolve(args, 8, {"clip_grad": 0.5, "gradient_accumulation_steps": 3}, None, 1000) == (config, ds_dict)
+
+
+def test_defaults_live_in_the_configs():
+    config, ds_dict = resolve(parse_args(MOCK), 4, None, None, None)
+    assert (config.training.global_batch_size, config.optimizer.clip_grad, config.training.zero_stage,
+            config.model.vocab_size, config.parallel.distributed_backend) == (8, 1.0, 0, 50304, "gloo")
+    assert (ds_dict["train_batch_size"], ds_dict["gradient_clipping"], ds_dict["zero_optimization"]) == \
+        (8, 1.0, {"stage": 0})
+    samples = [a for a in MOCK if a not in ("--train-iters", "10")] + ["--train-samples", "100", "--warmup", "0.25"]
+    config, _ = resolve(parse_args(samples + ["--global-batch-size", "16"]), 4, None, None, None, cuda_available=True)
+    assert (config.training.train_iters, config.optimizer.lr_decay_iters, config.optimizer.lr_warmup_iters,
+            config.parallel.distributed_backend) == (6, 6, 2, "nccl")
+
+
+def test_saved_padded_vocab_is_kept_when_resuming():
+    args = parse_args(MOCK + ["--load", "ckpt", "--tensor-model-parallel-size", "2"])
+    config, _ = resolve(args, 2, None, {"vocab_size": 1280}, 1000)
+    assert (config.model.vocab_size, config.data.pad_vocab_size_to) == (1280, 1280)
+    config, _ = resolve(args, 2, None, {"vocab_size": 900}, 1000)  # smaller than the tokenizer: padded anew
+    assert (config.model.vocab_size, config.data.pad_vocab_size_to) == (1024, None)
+    config, _ = resolve(parse_args(MOCK + ["--tensor-model-parallel-size", "2"]), 2, None, {"vocab_size": 1280}, 1000)
+    assert config.model.vocab_size == 1024  # no --load: the meta is not consulted
+    args = parse_args(MOCK + ["--load", "ckpt", "--tensor-model-parallel-size", "4"])
+    with pytest.raises(ValueError) as err:
+        resolve(args, 4, None, {"vocab_size": 1282}, 1000)
+    assert str(err.value) == ("--load ckpt: its padded vocabulary (1282) is not divisible by "
+                              "--tensor-model-parallel-size 4; pick a TP size that divides it")
+
+
+@pytest.mark.parametrize("given,expected", [
+    (dict(tokenizer_type="PretrainedFromHF", vocab_file="v.json"), "PretrainedFromHF"),
+    (dict(vocab_file="v.json", merge_file="m.txt", tokenizer_name_or_path="dir"), "GPT2BPETokenizer"),
+    (dict(vocab_file="v.json"), "GPT2BPETokenizer"),  # build_tokenizer then names the missing --merge-file
+    (dict(tokenizer_name_or_path="dir"), "PretrainedFromHF"),
+], ids=["explicit", "both", "half", "hf"])
+def test_infer_tokenizer_type(given, expected):
+    from megatron.tokenizer import infer_tokenizer_type
+    assert infer_tokenizer_type(given.pop("tokenizer_type", None), **given) == expected
+
+
+def test_no_tokenizer_is_one_message_for_training_and_preprocessing(tmp_path):
+    from megatron.tokenizer import infer_tokenizer_type
+    from tools.preprocess_data import check_args, get_args
+    message = ("no tokenizer: pass --vocab-file and --merge-file (GPT2BPETokenizer) or --tokenizer-name-or-path "
+               "(PretrainedFromHF: a local Hugging Face tokenizer folder)")
+    with pytest.raises(ValueError) as err:
+        infer_tokenizer_type(None)
+    assert str(err.value) == message
+    with pytest.raises(ValueError) as err:
+        load_and_resolve([a for a in MOCK if a != "--mock-data"] + ["--data-path", "x"], world_size=1)
+    assert str(err.value) == message
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "hi"}\n')
+    with pytest.raises(ValueError) as err:
+        check_args(get_args(["--input", str(corpus), "--output-prefix", str(tmp_path / "out")]))
+    assert str(err.value) == message
 
 
 @pytest.mark.parametrize("argv,message", [

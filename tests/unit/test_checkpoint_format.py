@@ -1,12 +1,12 @@
-"""The per-parameter optimizer format (megatron/checkpoint_format.py): pieces spread over TP and DP ranks make the
-whole parameter again, and any TP size's slice is cut from it."""
+"""The per-parameter optimizer format (megatron/checkpoint/saved_optimizer.py): pieces spread over TP and DP ranks
+make the whole parameter again, and any TP size's slice is cut from it."""
 import json
 import os
 
 import pytest
 import torch
 
-from megatron import checkpoint_format as fmt
+from megatron.checkpoint import saved_optimizer as fmt
 
 
 def write_rank(folder, tp_rank, dp_rank, step, params, state):

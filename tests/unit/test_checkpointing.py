@@ -1,5 +1,6 @@
-"""Checkpoint folders: manifest verification, fallback, stale .tmp folders, pruning, failed saves, --save checks;
-the engine state (optimizer, LR schedule) saved without weights; the LR-schedule warning on resume."""
+"""Checkpoint folders (megatron/checkpoint/): manifest verification, fallback, stale .tmp folders, pruning, failed
+saves, --save checks; the engine state (optimizer, LR schedule) saved without weights; the LR-schedule warning on
+resume."""
 import dataclasses
 import io
 import json
@@ -10,11 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from megatron import checkpointing, engine_state
-from megatron.checkpointing import CheckpointError, find_checkpoint, tag_for, verify_checkpoint
+from megatron.checkpoint import load, optimizer_state, save, tied
+from megatron.checkpoint.format import (CheckpointError, checkpoint_bytes, find_checkpoint, list_checkpoints,
+                                        read_latest, read_meta, tag_for, verify_checkpoint)
+from megatron.checkpoint.io import write_manifest
 from megatron.config import OptimizerConfig
 from megatron.core import parallel_state
-from megatron.fault_injection import Fault, TestFaults
+from tests.faults import Fault, TestFaults
 
 
 def make_checkpoint(root, iteration, latest=True):
@@ -24,7 +27,7 @@ def make_checkpoint(root, iteration, latest=True):
     torch.save({"w": torch.arange(100.0) + iteration}, os.path.join(folder, "model_tp00_pp000.pt"))
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump({"iteration": iteration}, f)
-    checkpointing.write_manifest(folder, iteration)
+    write_manifest(folder, iteration)
     if latest:
         with open(os.path.join(root, "latest"), "w") as f:
             f.write(tag_for(iteration))
@@ -35,18 +38,28 @@ def test_complete_checkpoint_verifies(tmp_path):
     assert verify_checkpoint(make_checkpoint(tmp_path, 2)) is None
 
 
-@pytest.mark.parametrize("damage,expected", [
-    ("truncate", "truncated"), ("flip", "checksum"), ("no_manifest", "missing (the save did not finish)"),
-    ("bad_manifest", "unreadable"), ("empty_manifest", "lists no files"), ("delete", "is missing")])
-def test_damaged_checkpoint_is_reported_by_name(tmp_path, damage, expected):
+SHARD, MANIFEST = "model_tp00_pp000.pt", "manifest.json"
+DAMAGES = {  # damage: (the file the reason names, the rest of the reason)
+    "truncate": (SHARD, "has {half} bytes, the manifest says {size} (truncated?)"),
+    "flip": (SHARD, "does not match its checksum (corrupt)"),
+    "no_manifest": (MANIFEST, "is missing (the save did not finish)"),
+    "bad_manifest": (MANIFEST, "is unreadable (JSONDecodeError: Unterminated string starting at: line 1 column 12 "
+                               "(char 11))"),
+    "empty_manifest": (MANIFEST, "lists no files"),
+    "delete": (SHARD, "is missing")}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_checkpoint_is_reported_by_name(tmp_path, damage):
     folder = make_checkpoint(tmp_path, 2)
-    shard = os.path.join(folder, "model_tp00_pp000.pt")
-    manifest = os.path.join(folder, "manifest.json")
+    shard = os.path.join(folder, SHARD)
+    manifest = os.path.join(folder, MANIFEST)
+    size = os.path.getsize(shard)
     if damage == "truncate":
-        os.truncate(shard, os.path.getsize(shard) // 2)
+        os.truncate(shard, size // 2)
     elif damage == "flip":
         with open(shard, "r+b") as f:
-            f.seek(os.path.getsize(shard) - 3)
+            f.seek(size - 3)
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
@@ -60,9 +73,8 @@ def test_damaged_checkpoint_is_reported_by_name(tmp_path, damage, expected):
             json.dump({"iteration": 2, "files": {}}, f)
     elif damage == "delete":
         os.remove(shard)
-    reason = verify_checkpoint(folder)
-    assert reason is not None and expected in reason, reason
-    assert ("model_tp00_pp000.pt" in reason) or ("manifest.json" in reason), reason
+    file, expected = DAMAGES[damage]
+    assert verify_checkpoint(folder) == f"{os.path.join(folder, file)} {expected.format(half=size // 2, size=size)}"
 
 
 def test_corrupt_latest_falls_back_to_the_previous_complete_checkpoint(tmp_path, caplog):
@@ -87,30 +99,34 @@ def test_tmp_folders_are_never_loaded_and_empty_roots_start_from_scratch(tmp_pat
     make_checkpoint(tmp_path, 2)
     os.rename(make_checkpoint(tmp_path, 4, latest=False), tmp_path / ".tmp_iter_0000004")  # complete but unrenamed
     assert find_checkpoint(str(tmp_path)) == os.path.join(tmp_path, "iter_0000002")
-    assert checkpointing.remove_stale_tmp(str(tmp_path)) == [".tmp_iter_0000004"]
+    assert save.remove_stale_tmp(str(tmp_path)) == [".tmp_iter_0000004"]
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest"]
 
 
 def test_prune_keeps_the_new_checkpoint_and_leaves_newer_abandoned_ones(tmp_path, caplog):
     for it in (2, 4, 6, 10):
         make_checkpoint(tmp_path, it)
-    checkpointing._prune(str(tmp_path), 2, "iter_0000006")
-    assert checkpointing.list_checkpoints(str(tmp_path)) == ["iter_0000010", "iter_0000006", "iter_0000004"]
+    save.prune(str(tmp_path), 2, "iter_0000006")
+    assert list_checkpoints(str(tmp_path)) == ["iter_0000010", "iter_0000006", "iter_0000004"]
     assert "newer than iter_0000006" in caplog.text
 
 
 class FakeEngine:
-    """What save_checkpoint and megatron.engine_state touch of a DeepSpeed engine without a ZeRO or fp16 wrapper:
-    the module, torch's optimizer itself (as DeepSpeed uses it in fp32 without ZeRO), the LR scheduler and the
-    step counters."""
+    """What save_checkpoint and megatron.checkpoint.optimizer_state touch of a DeepSpeed engine without a ZeRO or
+    fp16 wrapper: the module, torch's optimizer itself (as DeepSpeed uses it in fp32 without ZeRO), the LR scheduler
+    and the step counters."""
 
-    def __init__(self, steps=0):
+    def __init__(self, steps=0, module=None):
         from megatron.optimizer import AnnealingLR
         torch.manual_seed(0)
-        self.module = nn.Linear(4, 4)
+        self.module = module() if module is not None else nn.Linear(4, 4)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
         self.lr_scheduler = AnnealingLR(self.optimizer, 1e-3, 1e-4, 1, 10, "cosine")
         self.global_steps = self.global_samples = self.skipped_steps = 0
+        self.train(steps)
+
+    def train(self, steps):
+        """steps optimizer steps on random batches of 2, as the engine counts them."""
         for _ in range(steps):
             self.module(torch.randn(2, 4)).sum().backward()
             self.optimizer.step()
@@ -135,54 +151,54 @@ def fake_config(root, keep=None):
 
 
 def test_save_is_atomic_removes_stale_tmp_and_prunes_after_completion(tmp_path, single_rank, monkeypatch):
-    monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
+    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine, config = FakeEngine(), fake_config(tmp_path, keep=2)
     os.makedirs(tmp_path / ".tmp_iter_0000003")  # left by a crash
     for it in (1, 2, 3):
-        folder = checkpointing.save_checkpoint(engine, config, it, it * 8)
+        folder = save.save_checkpoint(engine, config, it, it * 8)
         assert verify_checkpoint(folder) is None
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "latest"]
-    assert checkpointing.read_latest(str(tmp_path)) == "iter_0000003"
+    assert read_latest(str(tmp_path)) == "iter_0000003"
 
 
 def test_failed_save_leaves_latest_and_previous_checkpoint(tmp_path, single_rank, monkeypatch):
-    monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
+    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine, config = FakeEngine(), fake_config(tmp_path, keep=1)
-    checkpointing.save_checkpoint(engine, config, 2, 16)
+    save.save_checkpoint(engine, config, 2, 16)
     before = sorted(os.listdir(tmp_path / "iter_0000002"))
     faults = TestFaults([Fault("save_error", ((4, 4),), phase="save")])
     with pytest.raises(CheckpointError, match=r"--save .*iter_0000004 failed on rank 0 while writing its files "
                                               r"\(OSError: .*No space left.*`latest` still names iter_0000002"):
-        checkpointing.save_checkpoint(engine, config, 4, 32, fault_hook=lambda stage: faults.fire(4, "save"))
+        save.save_checkpoint(engine, config, 4, 32, on_written=lambda folder: faults.fire(4, "save"))
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest"]
     assert sorted(os.listdir(tmp_path / "iter_0000002")) == before
     assert verify_checkpoint(str(tmp_path / "iter_0000002")) is None
-    assert checkpointing.read_latest(str(tmp_path)) == "iter_0000002"
+    assert read_latest(str(tmp_path)) == "iter_0000002"
 
 
 def test_save_dir_checks_name_the_flag(tmp_path, monkeypatch):
-    assert checkpointing.check_save_dir(str(tmp_path / "new"), 1) > 0
+    monkeypatch.setattr(save.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**30))
+    assert save.check_save_dir(str(tmp_path / "new"), 2**30) == 2**30  # the free bytes, just enough
     assert os.listdir(tmp_path / "new") == []  # the probe file is gone
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ValueError, match=r"^--save .*file/ckpt is not writable"):
-        checkpointing.check_save_dir(str(a_file / "ckpt"), 1)
-    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**30))
-    needed = checkpointing.checkpoint_bytes(176_000_000_000 // 64, "bf16")
+        save.check_save_dir(str(a_file / "ckpt"), 1)
+    needed = checkpoint_bytes(176_000_000_000 // 64, "bf16")
     with pytest.raises(ValueError, match=r"^--save .*: 1.00 GiB free, a checkpoint needs about 35.86 GiB"):
-        checkpointing.check_save_dir(str(tmp_path), needed)
+        save.check_save_dir(str(tmp_path), needed)
 
 
 def test_checkpoint_bytes():
-    assert checkpointing.checkpoint_bytes(1000, "fp32") == 1000 * (4 + 8)
-    assert checkpointing.checkpoint_bytes(1000, "bf16") == 1000 * (2 + 4 + 8)
-    assert checkpointing.checkpoint_bytes(1000, "fp16", no_save_optim=True) == 1000 * 2
+    assert checkpoint_bytes(1000, "fp32") == 1000 * (4 + 8)
+    assert checkpoint_bytes(1000, "bf16") == 1000 * (2 + 4 + 8)
+    assert checkpoint_bytes(1000, "fp16", no_save_optim=True) == 1000 * 2
 
 
 def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, single_rank, monkeypatch):
-    monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
+    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine = FakeEngine(steps=2)
-    folder = checkpointing.save_checkpoint(engine, fake_config(tmp_path), 2, 16)
+    folder = save.save_checkpoint(engine, fake_config(tmp_path), 2, 16)
     assert sorted(os.listdir(folder)) == ["config.json", "index_tp00_pp000_dp00000.json", "manifest.json",
                                           "meta.json", "model_tp00_pp000.pt", "optimizer_tp00_pp000_dp00000.pt",
                                           "rng_rank00000.pt"]
@@ -198,19 +214,19 @@ def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, singl
     assert (saved["global_steps"], saved["global_samples"], saved["skipped_steps"]) == (2, 4, 0)
     tensors = [t for s in saved["optimizer"]["state"].values() for t in s.values() if t.dim() > 0]
     assert sum(t.numel() for t in tensors) == 2 * 20  # exp_avg and exp_avg_sq of 4x4 + 4 weights, no weights
-    meta = checkpointing.read_meta(folder)
-    assert meta["engine_state_version"] == engine_state.FORMAT and meta["deepspeed_state"] is True
+    meta = read_meta(folder)
+    assert meta["engine_state_version"] == optimizer_state.FORMAT and meta["deepspeed_state"] is True
 
 
 def test_engine_state_round_trip_into_a_fresh_engine(single_rank):
     trained, fresh = FakeEngine(steps=3), FakeEngine()
     buffer = io.BytesIO()  # through bytes, as through a file: no tensor shared with the trained engine
-    torch.save(engine_state.collect(trained, "fp32", dp_rank=0), buffer)
+    torch.save(optimizer_state.collect(trained, "fp32", dp_rank=0), buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
-    assert engine_state.collect(trained, "fp32", dp_rank=1) is None  # replicated: DP rank 0's file serves
+    assert optimizer_state.collect(trained, "fp32", dp_rank=1) is None  # replicated: DP rank 0's file serves
     fresh.module.load_state_dict(trained.module.state_dict())
-    engine_state.restore(fresh, saved)
+    optimizer_state.restore(fresh, saved)
     assert fresh.lr_scheduler.num_steps == 3 and fresh.optimizer.param_groups[0]["lr"] == \
         trained.optimizer.param_groups[0]["lr"]
     assert (fresh.global_steps, fresh.global_samples) == (3, 6)
@@ -223,17 +239,17 @@ def test_engine_state_round_trip_into_a_fresh_engine(single_rank):
         engine.optimizer.step()
     assert torch.equal(trained.module.weight, fresh.module.weight)
     with pytest.raises(ValueError, match="written by DeepSpeed's BF16_Optimizer, this run uses AdamW"):
-        engine_state.restore(fresh, {**saved, "optimizer_class": "BF16_Optimizer"})
+        optimizer_state.restore(fresh, {**saved, "optimizer_class": "BF16_Optimizer"})
 
 
 def test_cut_and_paste_zeros_are_inverse():
     flat = torch.arange(1.0, 13.0)
     spans = [(0, 3), (5, 2), (11, 1)]
-    kept = engine_state._cut(flat, spans)
+    kept = tied._cut(flat, spans)
     assert kept.tolist() == [4.0, 5.0, 8.0, 9.0, 10.0, 11.0]
-    assert engine_state._paste_zeros(kept, spans, 12).tolist() == [0, 0, 0, 4, 5, 0, 0, 8, 9, 10, 11, 0]
+    assert tied._paste_zeros(kept, spans, 12).tolist() == [0, 0, 0, 4, 5, 0, 0, 8, 9, 10, 11, 0]
     view = torch.zeros(100)[:10]
-    compact = engine_state._compact({"a": [view], "b": (torch.ones(3),)})
+    compact = optimizer_state._compact({"a": [view], "b": (torch.ones(3),)})
     assert compact["a"][0].untyped_storage().nbytes() == 40 and isinstance(compact["b"], tuple)
 
 
@@ -266,8 +282,8 @@ def saved_config(config):
                                                      "iteration 20 is 1e-3 instead of 1e-6"),
 ], ids=["same", "longer-run-fixed-decay", "train-iters", "lr", "three-flags", "decay-iters", "constant"])
 def test_schedule_change_message(now, expected):
-    assert checkpointing.schedule_change_message(saved_config(schedule_config(20)), now, 20) == expected
-    assert checkpointing.schedule_change_message(None, now, 20) is None
+    assert load.schedule_change_message(saved_config(schedule_config(20)), now, 20) == expected
+    assert load.schedule_change_message(None, now, 20) is None
 
 
 def test_fault_spec_parsing():
@@ -291,7 +307,7 @@ def test_fault_spec_parsing():
 def test_weights_load_into_another_pipeline_size_and_another_tp_size(tmp_path, single_rank):
     """A PP 2 checkpoint loads into a PP 1 model (every stage's file is read); a TP 2 one too (each tensor's TP
     slices concatenated along the partition dim its shard records)."""
-    from megatron.checkpoint_tools import write_megatron_checkpoint
+    from megatron.checkpoint.convert import write_megatron_checkpoint
     from megatron.config import ModelConfig
     from megatron.model import BloomModel
     config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=16)
@@ -303,7 +319,7 @@ def test_weights_load_into_another_pipeline_size_and_another_tp_size(tmp_path, s
     tp2 = write_megatron_checkpoint(str(tmp_path / "tp2"), weights, config, tp=2, pp=1, iteration=4)
     for folder in (pp2, tp2):
         model = BloomModel(config)
-        checkpointing.load_model_weights(model, folder, config.num_layers)
+        load.load_model_weights(model, folder, config.num_layers)
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensor, weights[name]), (folder, name)
 
@@ -322,39 +338,23 @@ class TPModule(nn.Module):
         return self.down(self.up(x)[0])[0]
 
 
-class TPEngine(FakeEngine):
-    def __init__(self, steps=0):
-        super().__init__()
-        from megatron.optimizer import AnnealingLR
-        self.module = TPModule()
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)
-        self.lr_scheduler = AnnealingLR(self.optimizer, 1e-3, 1e-4, 1, 10, "cosine")
-        for _ in range(steps):
-            self.module(torch.randn(2, 4)).sum().backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            self.lr_scheduler.step()
-            self.global_steps += 1
-            self.global_samples += 2
-
-
 def test_per_parameter_restore_equals_the_saved_state_and_records_the_layers_dims(tmp_path, single_rank,
                                                                                     monkeypatch):
     """The index names each parameter's partition dim as its layer sets it (also at TP 1); restoring a fresh
     engine through it (the path a layout change takes) gives the trained optimizer state bit for bit, and the
     next step is the same step."""
-    from megatron.checkpoint_format import SavedOptimizer
-    monkeypatch.setattr(checkpointing.dataclasses, "asdict", lambda config: {"fake": True})
-    trained, fresh = TPEngine(steps=3), TPEngine()
-    folder = checkpointing.save_checkpoint(trained, fake_config(tmp_path), 3, 6)
-    meta = {**checkpointing.read_meta(folder), "data_parallel_size": 1}
+    from megatron.checkpoint.saved_optimizer import SavedOptimizer
+    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
+    trained, fresh = FakeEngine(steps=3, module=TPModule), FakeEngine(module=TPModule)
+    folder = save.save_checkpoint(trained, fake_config(tmp_path), 3, 6)
+    meta = {**read_meta(folder), "data_parallel_size": 1}
     source = SavedOptimizer(folder, meta)
     assert {name: source.partition_dim(name) for name in source.names()} == {
         "up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None}
     assert source.step == 3.0 and not source.has_fp32()
-    checkpointing.load_model_weights(fresh.module, folder, 1)
-    assert engine_state.restore_from_parameters(fresh, source, 1, 0, 1, 0) == 4
-    engine_state.restore_counters(fresh, torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"),
+    load.load_model_weights(fresh.module, folder, 1)
+    assert optimizer_state.restore_from_parameters(fresh, source, 1, 0, 1, 0) == 4
+    optimizer_state.restore_counters(fresh, torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"),
                                                     weights_only=False))
     assert (fresh.global_steps, fresh.global_samples, fresh.lr_scheduler.num_steps) == (3, 6, 3)
     for p, q in zip(trained.module.parameters(), fresh.module.parameters()):

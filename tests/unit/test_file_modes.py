@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from megatron import checkpoint_tools
+from megatron.checkpoint import hf
 from megatron.config import ModelConfig
 from megatron.file_modes import apply_umask, current_umask, default_file_mode
 from megatron.model.bloom import BloomModel
@@ -59,7 +59,7 @@ def test_merged_hf_folder_has_umask_modes(tmp_path, umask_027):
     for shard_size in (None, 200_000):  # one model.safetensors; several shards with an index
         out = tmp_path / f"hf_{shard_size}"
         kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
-        checkpoint_tools.write_hf_folder(str(out), weights, config, torch.float32, tokenizer_dir=TOKENIZER, **kwargs)
+        hf.write_hf_folder(str(out), weights, config, torch.float32, tokenizer_dir=TOKENIZER, **kwargs)
         modes = _modes(out)
         assert ("model.safetensors" in modes) == (shard_size is None)
         assert ("model.safetensors.index.json" in modes) == (shard_size is not None)

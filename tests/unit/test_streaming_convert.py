@@ -1,4 +1,4 @@
-"""Conversions stream (megatron/checkpoint_tools.py, megatron/tensor_streams.py): merge to HF, reshard and HF
+"""Conversions stream (megatron/checkpoint/convert.py, hf.py, streams.py): merge to HF, reshard and HF
 import hold one block or one output shard, never the model, and drop the file mappings they read through.
 
 Every read a conversion makes goes through a reader's read(); the `tracked` fixture wraps it to follow the bytes
@@ -14,7 +14,8 @@ import weakref
 import pytest
 import torch
 
-from megatron import checkpoint_tools, tensor_streams
+from megatron.checkpoint import convert, hf, streams
+from megatron.checkpoint.format import expected_shapes, partition_dim
 from megatron.config import ModelConfig
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -68,7 +69,7 @@ def tracked(monkeypatch):
             return current[-1].returned(read(self, *args, **kwargs))
         return tracked_read
 
-    for cls in (checkpoint_tools.CheckpointReader, checkpoint_tools.HFReader):
+    for cls in (convert.CheckpointReader, hf.HFReader):
         monkeypatch.setattr(cls, "read", wrap(cls.read))
 
     def start():
@@ -85,12 +86,12 @@ def config_for(num_layers, hidden=64, vocab=512):
 def random_weights(config, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=generator)
-            for name, shape in checkpoint_tools.expected_shapes(config).items()}
+            for name, shape in expected_shapes(config).items()}
 
 
 def make_checkpoint(path, config, tp, pp, weights=None):
     weights = weights if weights is not None else random_weights(config)
-    return checkpoint_tools.write_megatron_checkpoint(str(path), weights, config, tp, pp, iteration=3), weights
+    return convert.write_megatron_checkpoint(str(path), weights, config, tp, pp, iteration=3), weights
 
 
 def nbytes(shape, dtype=torch.float32):
@@ -99,10 +100,10 @@ def nbytes(shape, dtype=torch.float32):
 
 def largest_shard_bytes(config, tp, pp):
     """Bytes of the largest (TP, PP) shard of our layout, from the shapes alone."""
-    shapes = checkpoint_tools.expected_shapes(config)
+    shapes = expected_shapes(config)
     largest = 0
-    for names in checkpoint_tools.stage_names(config, tp, pp):
-        size = sum(nbytes(shapes[n]) // (tp if checkpoint_tools.partition_dim(n) is not None and tp > 1 else 1)
+    for names in convert.stage_names(config, tp, pp):
+        size = sum(nbytes(shapes[n]) // (tp if partition_dim(n) is not None and tp > 1 else 1)
                    for n in names)
         largest = max(largest, size)
     return largest
@@ -127,7 +128,7 @@ def test_hf_export_holds_one_block_whatever_the_depth(tmp_path, tracked, monkeyp
     block, the same for 2 and 6 layers, and the output equals the weights exactly."""
     from megatron.model.hf_bloom import to_hf_name
 
-    monkeypatch.setattr(tensor_streams, "READ_BLOCK_BYTES", 3000)
+    monkeypatch.setattr(streams, "READ_BLOCK_BYTES", 3000)
     merge = load_tool("merge_mp_partitions")
     peaks = {}
     for layers in (2, 6):
@@ -162,7 +163,7 @@ def test_reshard_holds_one_output_shard(tmp_path, tracked, source_layout, target
     assert tracker.peak_live == largest_shard_bytes(config, tp, pp)
     assert tracker.peak_live < 0.6 * sum(nbytes(t.shape) for t in weights.values())
     assert tracker.live == 0
-    merged = checkpoint_tools.load_merged_checkpoint(str(tmp_path / "out"), num_partitions=tp)
+    merged = convert.load_merged_checkpoint(str(tmp_path / "out"), num_partitions=tp)
     assert merged.iteration == 3 and merged.pipeline_model_parallel_size == pp
     assert all(torch.equal(merged.weights[n], weights[n]) for n in weights)
 
@@ -183,7 +184,7 @@ def test_hf_import_holds_one_output_shard(tmp_path, tracked):
     config = config_for(4)
     assert tracker.peak_live == largest_shard_bytes(config, 2, 2) // 2  # bf16
     assert tracker.live == 0
-    merged = checkpoint_tools.load_merged_checkpoint(str(tmp_path / "ours"))
+    merged = convert.load_merged_checkpoint(str(tmp_path / "ours"))
     state = hf.state_dict()
     assert merged.dtype == torch.bfloat16
     assert torch.equal(merged.weights["layers.3.mlp.dense_4h_to_h.weight"],
@@ -203,7 +204,7 @@ def test_mapped_pages_are_dropped_as_the_conversion_goes(tmp_path, tracked, monk
     merge = load_tool("merge_mp_partitions")
     growth = {}
     for budget in (2 ** 30, 2 ** 20):  # the control first: it also loads the libraries a first conversion maps
-        monkeypatch.setattr(tensor_streams, "READ_BLOCK_BYTES", budget)
+        monkeypatch.setattr(streams, "READ_BLOCK_BYTES", budget)
         tracker = tracked()
         assert merge.main(["--model-path", source, "--output-path", str(tmp_path / f"hf{budget}")]) == 0
         growth[budget] = tracker.mapped_growth
@@ -218,7 +219,7 @@ def test_safetensors_writer_writes_the_published_format(tmp_path):
                "c": torch.randn(2, 2, 2)}
     path = str(tmp_path / "x.safetensors")
     entries = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-    with tensor_streams.SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
+    with streams.SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
         writer.write(tensors["a"][:2].contiguous())  # a tensor in blocks of rows
         writer.write(tensors["a"][2:].contiguous())
         writer.write(tensors["b"])
@@ -232,5 +233,5 @@ def test_safetensors_writer_writes_the_published_format(tmp_path):
         for name, tensor in tensors.items():
             assert torch.equal(f.get_tensor(name), tensor), name
     with pytest.raises(AssertionError, match="not every tensor was written"):
-        with tensor_streams.SafetensorsWriter(str(tmp_path / "y.safetensors"), entries) as writer:
+        with streams.SafetensorsWriter(str(tmp_path / "y.safetensors"), entries) as writer:
             writer.write(tensors["a"])

@@ -1,72 +1,69 @@
 """Cross entropy over vocabulary-parallel logits, without gathering the full logits.
 
-With logits z split along the vocabulary across p ranks and target t:
+With logits z split along the vocabulary across the p ranks of `group` (rank r holds [r V/p, (r+1) V/p)) and
+target t, each rank computes with the local ops of megatron.fused_kernels.cross_entropy (the CUDA kernel, or torch)
 
-    loss = log(sum_v exp(z_v - m)) - (z_t - m),   m = max_v z_v
+    lse_r = log sum_{v in slice r} exp(z_v),     predicted_r = z_t if t is in slice r else 0
 
-m, sum exp and z_t are each one all-reduce of a (..,) tensor over the TP group (MAX, SUM, SUM).
-Backward: d loss / d z_v = softmax(z)_v - [v == t], computed on each rank's own slice.
-Math is done in fp32 whatever the logits' dtype. A target of -100 (torch's ignore_index) gives loss 0 and no
-gradient. On CUDA the csrc kernel (megatron.fused_kernels.fused_cross_entropy) does this without an fp32 copy of
-the logits; the torch form below serves CPU tensors and the kernel's fallback.
+and this module owns the communication, three all-reduces of (tokens,) fp32 tensors over group:
+
+    M = max_r lse_r (MAX),   lse = M + log sum_r exp(lse_r - M) (SUM),   z_t = sum_r predicted_r (SUM)
+    loss = lse - z_t
+
+Backward needs no communication: d loss / d z_v = softmax(z)_v - [v == t] = exp(z_v - lse) - [v == t], computed
+on each rank's own slice by the local backward op. Math is in fp32 whatever the logits' dtype (the (tokens,) lse
+is fp64 when the torch ops serve, which keeps exp(z - lse) exact for large logits); the loss is fp32. A target of
+-100 (torch's ignore_index) gives loss 0 and no gradient.
 """
 import torch
 import torch.distributed as dist
 
-from megatron.fused_kernels import fused_cross_entropy
-from megatron.fused_kernels.cross_entropy import IGNORE_INDEX
+from megatron.core.tensor_parallel.mappings import get_group_size_and_rank
+from megatron.fused_kernels.cross_entropy import IGNORE_INDEX, cross_entropy_ops, fused_cross_entropy
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """logits (rows, V/p) contiguous, target (rows,) int64 global ids -> loss (rows,) fp32."""
+
     @staticmethod
-    def forward(ctx, logits, target, group):
-        ctx.logits_dtype = logits.dtype
-        logits = logits.float()  # (..., V/p)
-        world = dist.get_world_size(group) if group is not None else 1
-        rank = dist.get_rank(group) if group is not None else 0
-        logits_max = logits.max(dim=-1)[0]
-        if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        per_partition = shifted.shape[-1]
-        start = rank * per_partition
-        outside = (target < start) | (target >= start + per_partition)
-        local_target = (target - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        if world > 1:
-            dist.all_reduce(predicted, group=group)
-            dist.all_reduce(sum_exp, group=group)
-        ignored = target == IGNORE_INDEX
-        loss = (sum_exp.log() - predicted).masked_fill_(ignored, 0.0)
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(ignored.unsqueeze(-1), 0.0)
-        ctx.save_for_backward(softmax, local_target, outside)
+    def forward(ctx, logits, target, group, tp_size, tp_rank, inplace_backward, ops):
+        vocab_start, total_vocab = tp_rank * logits.shape[1], tp_size * logits.shape[1]
+        lse, predicted = ops.cross_entropy_forward(logits, target, vocab_start, total_vocab, IGNORE_INDEX)
+        lse_max = lse.clone()
+        dist.all_reduce(lse_max, op=dist.ReduceOp.MAX, group=group)
+        sum_exp = (lse - lse_max).exp_()
+        dist.all_reduce(sum_exp, group=group)
+        lse = sum_exp.log_().add_(lse_max)
+        dist.all_reduce(predicted, group=group)
+        loss = (lse - predicted).float().masked_fill_(target == IGNORE_INDEX, 0.0)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.slice = (vocab_start, total_vocab)
+        ctx.inplace_backward, ctx.ops = inplace_backward, ops
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax  # reused in place: the saved tensor is not needed afterwards
-        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        logits, target, lse = ctx.saved_tensors
+        grad = ctx.ops.cross_entropy_backward(grad_loss.float().contiguous(), logits, target, lse, *ctx.slice,
+                                              IGNORE_INDEX, ctx.inplace_backward)
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, inplace_backward=False):
-    """Per-token loss (fp32, shape of target) from logits split along the last dim over `group`.
+    """Per-token loss (fp32, shape of target) from logits (..., V/p) split along the last dim over `group`.
 
-    CUDA logits go through the fused kernel (for any TP size); elsewhere one rank uses torch's fused
-    log-softmax + NLL on fp32 logits and several ranks the three-reduction form above. inplace_backward (kernel
-    only): the gradient is written over the logits, for a caller that does not read them after the loss.
+    group: the tensor-parallel ProcessGroup the vocabulary is split over, or None (the logits hold it all; then
+    fused_cross_entropy: the kernel on CUDA, torch's F.cross_entropy elsewhere). inplace_backward (kernel, or
+    the torch ops for p > 1): the gradient is written over the logits, for a caller that does not read them after
+    the loss.
     """
-    def torch_fallback(logits, labels):
-        return _VocabParallelCrossEntropy.apply(logits, labels, group)
-
-    tensor_parallel = group is not None and dist.get_world_size(group) > 1
-    return fused_cross_entropy(vocab_parallel_logits, target, inplace_backward, group,
-                               fallback=torch_fallback if tensor_parallel else None)
+    tp_size, tp_rank = get_group_size_and_rank(group)
+    if tp_size == 1:
+        return fused_cross_entropy(vocab_parallel_logits, target, inplace_backward)
+    ops = cross_entropy_ops(vocab_parallel_logits, target)
+    vocab = vocab_parallel_logits.shape[-1]
+    flat_logits = vocab_parallel_logits.reshape(-1, vocab).contiguous()
+    flat_target = target.reshape(-1).long().contiguous()
+    loss = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, group, tp_size, tp_rank, inplace_backward,
+                                            ops)
+    return loss.view(target.shape)

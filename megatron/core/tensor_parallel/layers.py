@@ -5,15 +5,17 @@ draws from torch's global CPU RNG, and each rank keeps its slice. The same seed 
 full weights whatever the tensor-parallel size. Every split parameter carries the attributes
 `tensor_model_parallel=True`, `partition_dim` and `partition_stride`, which the checkpoint tools and
 DeepSpeed's gradient-norm code read.
+
+Every layer takes its tensor-parallel group as `tp_group` (a ProcessGroup, or None for no tensor parallelism) and
+resolves tp_size / tp_rank once in __init__; forward reads only those attributes, never global state.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
+                                                    get_group_size_and_rank,
                                                     reduce_from_tensor_model_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
 
@@ -22,16 +24,6 @@ def set_tensor_model_parallel_attributes(param, is_parallel, partition_dim, stri
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim
     param.partition_stride = stride
-
-
-def _resolve_group(group):
-    return parallel_state.get_tensor_model_parallel_group() if group is None else group
-
-
-def _group_size_rank(group):
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _divide(numerator, denominator, what):
@@ -68,8 +60,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size, output_size, *, bias=True, gather_output=False, init_method=None,
                  params_dtype=torch.float32, tp_group=None):
         super().__init__()
-        self.tp_group = _resolve_group(tp_group)
-        world, rank = _group_size_rank(self.tp_group)
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = world, rank = get_group_size_and_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, world, "output size")
         self.gather_output = gather_output
@@ -78,6 +70,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _zero_bias(self.output_size_per_partition, params_dtype, world > 1) if bias else None
 
     def forward(self, x):
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         y = F.linear(x, self.weight, self.bias)  # (..., output_size / p)
         if self.gather_output:
@@ -97,8 +91,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size, output_size, *, bias=True, input_is_parallel=False, init_method=None,
                  params_dtype=torch.float32, tp_group=None):
         super().__init__()
-        self.tp_group = _resolve_group(tp_group)
-        world, rank = _group_size_rank(self.tp_group)
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = world, rank = get_group_size_and_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, world, "input size")
         self.input_is_parallel = input_is_parallel
@@ -107,9 +101,11 @@ class RowParallelLinear(nn.Module):
         self.bias = _zero_bias(output_size, params_dtype, False) if bias else None
 
     def forward(self, x):
-        if not self.input_is_parallel:
+        if self.tp_size > 1 and not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)  # (..., output_size): this rank's partial product
+        if self.tp_size > 1:
+            y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -123,8 +119,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *, init_method=None, params_dtype=torch.float32,
                  tp_group=None):
         super().__init__()
-        self.tp_group = _resolve_group(tp_group)
-        world, rank = _group_size_rank(self.tp_group)
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = world, rank = get_group_size_and_rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_partition = _divide(num_embeddings, world, "padded vocabulary size")
         self.vocab_start_index = rank * per_partition
@@ -134,7 +130,7 @@ class VocabParallelEmbedding(nn.Module):
                                          params_dtype)
 
     def forward(self, input_ids):
-        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+        if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)

@@ -1,43 +1,43 @@
 """Autograd-aware communication into and out of the tensor-parallel region.
 
-    copy_to_tensor_model_parallel_region      forward: identity         backward: all-reduce
-    reduce_from_tensor_model_parallel_region  forward: all-reduce       backward: identity
+    copy_to_tensor_model_parallel_region      forward: identity         backward: all-reduce (sum)
+    reduce_from_tensor_model_parallel_region  forward: all-reduce (sum) backward: identity
     scatter_to_tensor_model_parallel_region   forward: split last dim   backward: all-gather last dim
     gather_from_tensor_model_parallel_region  forward: all-gather last  backward: split last dim
 
-Each takes the TP group explicitly (layers resolve it once in __init__); with one rank they are identities.
+Convention (the whole model follows it): the tensor-parallel group is passed explicitly as `group` / `tp_group`,
+a torch.distributed ProcessGroup, or None meaning no tensor parallelism (one rank). Nothing here reads
+megatron.core.parallel_state or torch.distributed's default group: the size and rank come from the group object
+itself (ProcessGroup.size() / .rank()), which modules resolve once in __init__ with get_group_size_and_rank. With
+one rank every mapping is the identity.
 """
 import torch
 import torch.distributed as dist
 
 
-def _world(group):
-    return dist.get_world_size(group) if group is not None else 1
+def get_group_size_and_rank(group):
+    """(size, this process's rank in group); (1, 0) for None (no tensor parallelism)."""
+    if group is None:
+        return 1, 0
+    return group.size(), group.rank()
 
 
 def _all_reduce(x, group):
-    if _world(group) == 1:
-        return x
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
 def _split_last_dim(x, group):
-    world = _world(group)
-    if world == 1:
-        return x
+    world, rank = get_group_size_and_rank(group)
     if x.shape[-1] % world != 0:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the tensor-parallel size {world}")
-    return x.chunk(world, dim=-1)[dist.get_rank(group)].contiguous()
+    return x.chunk(world, dim=-1)[rank].contiguous()
 
 
 def _gather_last_dim(x, group):
-    world = _world(group)
-    if world == 1:
-        return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
+    parts = [torch.empty_like(x) for _ in range(group.size())]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
@@ -85,17 +85,25 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
+def _single(group):
+    return group is None or group.size() == 1
+
+
 def copy_to_tensor_model_parallel_region(x, group):
-    return x if _world(group) == 1 else _CopyToRegion.apply(x, group)
+    """Identity forward; the gradient is all-reduced over group in backward."""
+    return x if _single(group) else _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x, group):
-    return x if _world(group) == 1 else _ReduceFromRegion.apply(x, group)
+    """Sum over group in forward (all-reduce); identity backward."""
+    return x if _single(group) else _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x, group):
-    return x if _world(group) == 1 else _ScatterToRegion.apply(x, group)
+    """This rank's slice of the last dimension; backward all-gathers the gradient."""
+    return x if _single(group) else _ScatterToRegion.apply(x, group)
 
 
 def gather_from_tensor_model_parallel_region(x, group):
-    return x if _world(group) == 1 else _GatherFromRegion.apply(x, group)
+    """All-gather along the last dimension; backward keeps this rank's slice of the gradient."""
+    return x if _single(group) else _GatherFromRegion.apply(x, group)

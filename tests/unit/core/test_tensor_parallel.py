@@ -1,4 +1,8 @@
-"""TP=2 equals TP=1 (loss, every gradient, initial weights); vocab-parallel cross entropy; RNG tracker."""
+"""TP=2 equals TP=1 (loss, every gradient, initial weights); the model depends only on (config, tp_group), not
+on what parallel_state holds; vocab-parallel cross entropy; RNG tracker."""
+import pathlib
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,11 +28,12 @@ def _tp_model_equals_tp1(rank, world, heads, checkpoint_activations):
     config = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=heads, vocab_size=1000,
                          seq_length=16, attention_impl="torch", checkpoint_activations=checkpoint_activations,
                          tensor_model_parallel_size=1)
-    reference = BloomModel(config)  # built before the TP groups exist: TP = 1
     state = ps.initialize_model_parallel(world, 1)
     tp_config = ModelConfig(**{**config.__dict__, "tensor_model_parallel_size": world})
-    model = BloomModel(tp_config)
     group = state.tp_group
+    model = BloomModel(tp_config, tp_group=group)
+    reference = BloomModel(config)  # no tp_group: one rank, although the TP groups exist
+    assert (model.tp_size, reference.tp_size) == (world, 1)
 
     ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(5))
     ref_loss = reference(ids[:, :-1], labels=ids[:, 1:]).mean()
@@ -50,6 +55,55 @@ def _tp_model_equals_tp1(rank, world, heads, checkpoint_activations):
 @pytest.mark.parametrize("heads,checkpointing", [(4, False), (6, True)])
 def test_tp2_loss_and_gradients_equal_tp1(heads, checkpointing):
     run_distributed(_tp_model_equals_tp1, 2, heads, checkpointing)
+
+
+def _same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def _build_order_does_not_matter(rank, world):
+    """The same (config, tp_group) gives the same model before, during and after parallel_state's TP groups."""
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=8,
+                         attention_impl="torch")
+    tp_config = ModelConfig(**{**config.__dict__, "tensor_model_parallel_size": world})
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    before = BloomModel(config)
+    state = ps.initialize_model_parallel(world, 1)
+    during = BloomModel(config)  # the global state says TP = world; no tp_group means one rank all the same
+    split_during = BloomModel(tp_config, tp_group=state.tp_group)
+    ps.destroy_model_parallel()
+    split_after = BloomModel(tp_config, tp_group=state.tp_group)
+    after = BloomModel(config)
+    for model in (before, during, after):
+        assert all(getattr(m, "tp_size", 1) == 1 for m in model.modules())
+    _same_model(before, during)
+    _same_model(before, after)
+    _same_model(split_during, split_after)
+    assert split_during.embedding.word_embeddings.weight.shape[0] == 128 // world
+    losses = [m(ids[:, :-1], labels=ids[:, 1:]) for m in (before, during, after, split_during, split_after)]
+    for loss in losses[1:]:
+        torch.testing.assert_close(loss, losses[0], atol=1e-5, rtol=0)
+
+
+def test_build_order_and_global_state_do_not_change_the_model():
+    run_distributed(_build_order_does_not_matter, 2)
+
+
+def test_no_global_parallel_state_in_model_layers_or_kernels():
+    """The model, the TP layers/mappings and the cross-entropy kernel take the group explicitly: only
+    parallel_state (DeepSpeed's mpu adapter) holds the global, and the kernel module has no communication."""
+    root = pathlib.Path(__file__).resolve().parents[3] / "megatron"
+    files = [*(root / "model").glob("*.py"), *(root / "core" / "tensor_parallel").glob("*.py"),
+             *(root / "fused_kernels").glob("*.py")]
+    pattern = re.compile(r"import .*parallel_state|parallel_state\.|get_tensor_model_parallel_\w+\(|"
+                         r"get_parallel_state\(|get_world_size\(")
+    offenders = [f"{path.name}:{n}" for path in files
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
+    assert "torch.distributed" not in (root / "fused_kernels" / "cross_entropy.py").read_text()
 
 
 def vocab_parallel_ce_equals_torch(rank, world, device="cpu", kernel=False):

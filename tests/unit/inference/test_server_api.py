@@ -10,7 +10,7 @@ from megatron.config import ModelConfig
 from megatron.inference import InferenceEngine, SamplingParams
 from megatron.inference import api
 from megatron.inference.api import APIError, IncrementalText, Limits
-from megatron.inference.server import EngineWorker, Job, Row
+from megatron.inference.worker import EngineWorker, Job, Row
 from megatron.model import BloomModel
 from megatron.tokenizer import build_tokenizer
 from tests.launch import TOKENIZER

@@ -1,10 +1,10 @@
-"""Reading windows of tensors from mapped files with bounded memory, and writing safetensors files a block at a time.
+"""Tensor streams: windows of tensors read from mapped files with bounded memory, safetensors written a block at a time.
 
-The pieces megatron/checkpoint_tools.py streams conversions with: a window (rows x cols of a tensor that is stored
-as several TP slices) is assembled from views of the mapped files and copied out; OpenFiles drops the mappings
-after READ_BLOCK_BYTES have been read through them, since pages read through a mapping count in the process's
-RSS until it is unmapped; SafetensorsWriter writes the published format from its header on, one block of rows at
-a time.
+The pieces megatron/checkpoint/convert.py and hf.py stream conversions with: a window (rows x cols of a tensor
+that is stored as several TP slices) is assembled from views of the mapped files and copied out; OpenFiles drops
+the mappings after READ_BLOCK_BYTES have been read through them, since pages read through a mapping count in the
+process's RSS until it is unmapped; SafetensorsWriter writes the published format from its header on, one block
+of rows at a time.
 """
 import json
 import math

@@ -1,8 +1,8 @@
-"""The on-disk format of the optimizer state, per parameter: what lets a checkpoint resume on another layout.
+"""Saved optimizer state per parameter: the index files and their reader, for resuming on another layout.
 
 Pure module (files and tensors only; no process group, no DeepSpeed). Every rank that writes an optimizer file
-(optimizer_tp{t}_pp{p}_dp{d}.pt, DeepSpeed's optimizer wrapper's state_dict, megatron/engine_state.py) also writes
-index_tp{t}_pp{p}_dp{d}.json, which says where each of its parameters' state lies inside that file:
+(optimizer_tp{t}_pp{p}_dp{d}.pt, DeepSpeed's optimizer wrapper's state_dict, megatron/checkpoint/optimizer_state.py)
+also writes index_tp{t}_pp{p}_dp{d}.json, which says where each of its parameters' state lies inside that file:
 
     {"version": 1, "step": 11.0, "params": {canonical name: {
         "shape": [rows, cols],          this TP rank's slice of the parameter
@@ -25,16 +25,10 @@ import os
 
 import torch
 
+from megatron.checkpoint.format import index_name, optimizer_name
+
 VERSION = 1
 KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def index_name(tp_rank, pp_rank, dp_rank):
-    return f"index_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.json"
-
-
-def optimizer_name(tp_rank, pp_rank, dp_rank):
-    return f"optimizer_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.pt"
 
 
 def index_text(step, params):

@@ -1,4 +1,5 @@
-"""TEST ONLY: faults injected into real training runs through MEGATRON_TEST_FAULT (see TestFaults)."""
+"""Faults injected into real training runs (tests only): TestFaults is a training Callback, built from the
+MEGATRON_TEST_FAULT environment variable by tests/train_with_faults.py, the launcher the fault tests run."""
 import dataclasses
 import errno
 import logging
@@ -7,6 +8,8 @@ import signal
 import time
 
 import torch
+
+from megatron.training import Callback
 
 logger = logging.getLogger("megatron.training")
 
@@ -24,10 +27,10 @@ class Fault:
             lo <= iteration and (hi is None or iteration <= hi) for lo, hi in self.iterations)
 
 
-class TestFaults:
-    """TEST ONLY: faults injected through the environment variable MEGATRON_TEST_FAULT, so that tests can
-    run the real CLI in subprocesses. Faults are separated by ';', options by ':'; iterations are a comma
-    list of numbers and ranges (3,6-8,10-):
+class TestFaults(Callback):
+    """Faults named by the environment variable MEGATRON_TEST_FAULT, so that tests can run the real CLI in
+    subprocesses (through tests/train_with_faults.py). Faults are separated by ';', options by ':';
+    iterations are a comma list of numbers and ranges (3,6-8,10-):
 
         nan_at=ITERS[:rank=R]                  the model's output times NaN (loss and gradients non-finite)
         kill_at=N[:rank=R][:phase=P]           SIGKILL this process; P: forward (default), backward, step, save
@@ -72,8 +75,12 @@ class TestFaults:
             raise ValueError(f"{TestFaults.ENV}: unknown phase {phase!r} in {item!r}")
         return Fault(kinds[key], tuple(ranges), int(opts["rank"]) if "rank" in opts else None, phase)
 
-    def start_iteration(self, engine, iteration):
-        """Called before each iteration: sleeps, and arms or disarms the NaN output hook."""
+    def on_train_start(self, trainer):
+        self.rank = trainer.state.rank
+
+    def on_iteration_start(self, trainer, iteration):
+        """Sleeps, and arms or disarms the NaN output hook."""
+        engine = trainer.engine
         for fault in self.faults:
             if fault.kind == "slow":
                 time.sleep(fault.seconds)
@@ -83,6 +90,12 @@ class TestFaults:
         elif not want_nan and self._nan_hook is not None:
             self._nan_hook.remove()
             self._nan_hook = None
+
+    def on_phase(self, trainer, iteration, phase):
+        self.fire(iteration, phase)
+
+    def on_checkpoint_written(self, trainer, iteration):
+        self.fire(iteration, "save")
 
     def fire(self, iteration, phase):
         for fault in self.faults:

@@ -1,4 +1,7 @@
-"""Model FLOPs (Megatron paper eq. 3), the measured GEMM peak for MFU, peak memory, and the per-iteration log line."""
+"""Training metrics: model FLOPs (Megatron paper eq. 3), the measured GEMM peak for MFU, peak memory, the
+per-iteration log line (one pure function) and rank 0's metrics writer (JSON lines, tensorboard)."""
+import json
+import os
 import time
 
 import torch
@@ -83,3 +86,42 @@ def format_log_line(m):
         parts.append(f"peak allocated (GiB): {m['peak_allocated_gib']:.2f}")
         parts.append(f"peak reserved (GiB): {m['peak_reserved_gib']:.2f}")
     return " | ".join(parts) + " |"
+
+
+def loss_scale(engine):
+    """fp16's current dynamic loss scale; None in bf16/fp32, where there is none."""
+    optimizer = getattr(engine, "optimizer", None)
+    scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
+    return float(scale) if isinstance(scale, (int, float)) and engine.fp16_enabled() else None
+
+
+class MetricsWriter:
+    """Rank 0's tensorboard scalars and metrics JSON lines ({"kind": "train" | "valid", ...} per line)."""
+
+    def __init__(self, logging_config, rank):
+        self.tb = self.jsonl = None
+        if rank != 0:
+            return
+        if logging_config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(logging_config.tensorboard_dir)
+        if logging_config.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(logging_config.metrics_file)), exist_ok=True)
+            self.jsonl = open(logging_config.metrics_file, "a")
+
+    def write(self, kind, metrics):
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"kind": kind, **metrics}) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            step = metrics["iteration"]
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and key != "iteration" and value is not None:
+                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+            self.tb.flush()  # on disk at each log line, like the JSON lines, whatever ends the process
+
+    def close(self):
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()

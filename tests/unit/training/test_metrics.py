@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron.metrics import format_log_line, model_flops_per_iteration, peak_memory_gib
+from megatron.training.metrics import format_log_line, model_flops_per_iteration, peak_memory_gib
 from megatron.optimizer import AnnealingLR, get_param_groups
 
 

@@ -1,5 +1,7 @@
-"""The DeepSpeed engine's training state for checkpoints (optimizer, LR schedule position, step counters),
-collected without model weights and with every tensor once, and restored into any optimizer wrapper.
+"""Optimizer state for checkpoints: the DeepSpeed engine's training state saved without weights, restored anywhere.
+
+The state is the optimizer wrapper's, the LR schedule position and the step counters, collected without model
+weights and with every tensor once, and restored into any optimizer wrapper.
 
 What DeepSpeed wraps our optimizer in, by precision, ZeRO stage and pipeline (each has its own state_dict):
 
@@ -15,10 +17,11 @@ Replicated state is collected on DP rank 0 only. Two things would otherwise be s
   from the loaded weights;
 - with PP > 1, DeepSpeed keeps a copy of the tied word embedding on the last stage and updates it exactly as
   the first stage's (its gradient is all-reduced over the pair): the copy's optimizer state (fp32 master,
-  Adam moments) is left out of the last stage's file and sent from the first stage after loading.
+  Adam moments) is left out of the last stage's file and sent from the first stage after loading
+  (megatron/checkpoint/tied.py).
 
-parameter_index() says where each parameter's state lies in the saved dict (megatron/checkpoint_format.py writes
-it beside the file); restore_from_parameters() writes per-parameter state read on any layout into any wrapper
+parameter_index() says where each parameter's state lies in the saved dict (megatron/checkpoint/saved_optimizer.py
+writes it beside the file); restore_from_parameters() writes per-parameter state read on any layout into any wrapper
 (DeepSpeed's safe_set_full_fp32_param / safe_set_full_optimizer_state for ZeRO 1-3 and BF16_Optimizer, whose
 Adam state is created first as its first step would; the state dicts of torch's AdamW and FP16_UnfusedOptimizer
 directly).
@@ -30,6 +33,9 @@ list of per-DP-rank states (KeyError: 0).
 """
 import torch
 import torch.distributed as dist
+
+from megatron.checkpoint import tied
+from megatron.checkpoint.saved_optimizer import KEYS, target_slice
 
 # Where DeepSpeed's ZeRO optimizers keep their fp32 partitions in state_dict().
 FP32_MASTER_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")
@@ -82,7 +88,7 @@ def collect(engine, precision, dp_rank):
     if precision == "fp32" and _zero_optimizer(optimizer) and not getattr(optimizer, "elastic_checkpoint", False):
         dropped = next((key for key in FP32_MASTER_KEYS if key in state), None)
         state.pop(dropped, None)
-    tied_removed = _drop_tied_copies(engine, state)
+    tied_removed = tied.drop_copies(engine, state)
     scheduler = getattr(engine, "lr_scheduler", None)
     return {"optimizer": _compact(state), "optimizer_class": type(optimizer).__name__,
             "fp32_master_from_weights": dropped, "tied_removed": tied_removed,
@@ -101,7 +107,7 @@ def restore(engine, saved, read_dp_rank=None):
     if saved["optimizer_class"] != type(optimizer).__name__:
         raise ValueError(f"the optimizer state was written by DeepSpeed's {saved['optimizer_class']}, this run uses "
                          f"{type(optimizer).__name__}")
-    state = _restore_tied_placeholders(engine, dict(saved["optimizer"]), saved["tied_removed"])
+    state = tied.restore_placeholders(engine, dict(saved["optimizer"]), saved["tied_removed"])
     dropped = saved["fp32_master_from_weights"]
     _event(optimizer, "prologue")
     if dropped == "fp32_flat_groups":  # ZeRO-3 always restores its partitions from the state: give it the weights
@@ -121,7 +127,7 @@ def restore(engine, saved, read_dp_rank=None):
     else:  # FP16_UnfusedOptimizer / FP16_Optimizer
         optimizer.load_state_dict(state, load_optimizer_states=True)
     _event(optimizer, "epilogue")
-    _sync_tied_copies(engine)
+    tied.sync_copies(engine)
     restore_counters(engine, saved)
 
 
@@ -131,207 +137,6 @@ def refresh_master_weights(engine):
     refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
     if refresh is not None:
         refresh()
-
-
-# ---------------------------------------------------------------- the pipeline's tied word embedding
-
-
-def _tied_weights(engine):
-    """[(name, param, comm)] for the pipeline's tied weights on this rank (DeepSpeed's PipelineModule.tied_comms);
-    the first stage of each group (its lowest rank) owns the state, the others hold copies."""
-    module = engine.module
-    comms = getattr(module, "tied_comms", None) or {}
-    names = {id(p): n for n, p in module.named_parameters()}
-    found = []
-    for key in sorted(comms):
-        comm = comms[key]
-        for attr in comm["weight_attr"]:
-            param = module._recursive_getattr(comm["module"], attr)
-            found.append((names[id(param)], param, comm))
-    return found
-
-
-def _copies(engine):
-    return [(name, param) for name, param, comm in _tied_weights(engine) if dist.get_rank() != min(comm["ranks"])]
-
-
-def _param_index(optimizer_params, param):
-    """Position of param in torch's state_dict numbering (parameters of all groups, in order)."""
-    flat = [p for group in optimizer_params for p in group]
-    return next(i for i, p in enumerate(flat) if p is param)
-
-
-def _tied_kind(optimizer):
-    """How the tied copies' state is left out for this optimizer wrapper (the same answer on every rank), or None
-    where it is kept (another wrapper; ZeRO's elastic checkpoints, where every rank reads all partitions)."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    if getattr(optimizer, "elastic_checkpoint", False):
-        return None
-    if isinstance(optimizer, (BF16_Optimizer, DeepSpeedZeroOptimizer)):
-        return "flat"
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return "torch"
-    if isinstance(optimizer, FP16_UnfusedOptimizer):
-        return "unfused"
-    return None
-
-
-def _drop_tied_copies(engine, state):
-    """Removes the tied copies' optimizer state from state (in place). Returns what load must put back."""
-    optimizer = engine.optimizer
-    copies = _copies(engine)
-    kind = _tied_kind(optimizer) if copies else None
-    if kind == "flat":
-        # BF16_Optimizer, ZeRO 1/2: flat fp32 partitions; cut each copy's fragment out of every flat tensor
-        ranges = {}
-        for group, mapping in enumerate(state["param_slice_mappings"]):
-            spans = sorted((mapping[name].start, mapping[name].numel) for name, _ in copies if name in mapping)
-            if spans:
-                ranges[group] = spans
-        cut = []
-        base = state["base_optimizer_state"] = {**state["base_optimizer_state"],
-                                                "state": dict(state["base_optimizer_state"]["state"])}
-        fp32 = state.get("single_partition_of_fp32_groups")
-        if fp32 is not None:
-            state["single_partition_of_fp32_groups"] = fp32 = list(fp32)
-        for group, spans in ranges.items():
-            end = max(start + numel for start, numel in spans)
-            if fp32 is not None:
-                cut.append(("fp32", group, None, fp32[group].numel()))
-                fp32[group] = _cut(fp32[group], spans)
-            if group not in base["state"]:  # no step taken yet (every fp16 step skipped, say): no moments
-                continue
-            entry = base["state"][group] = dict(base["state"][group])
-            for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() >= end:
-                    cut.append(("state", group, key, value.numel()))
-                    entry[key] = _cut(value, spans)
-        return {"kind": "flat", "ranges": ranges, "cut": cut}
-    if kind == "torch":
-        params = [group["params"] for group in optimizer.param_groups]
-        indices = [_param_index(params, param) for _, param in copies]
-        state["state"] = {i: s for i, s in state["state"].items() if i not in indices}
-        return {"kind": "torch", "indices": indices}
-    if kind == "unfused":  # per-parameter fp32 copies, torch's state over them
-        groups = optimizer.fp16_groups
-        places = [next((g, j) for g, group in enumerate(groups) for j, p in enumerate(group) if p is param)
-                  for _, param in copies]
-        indices = [_param_index(groups, param) for _, param in copies]
-        state["fp32_groups"] = [list(group) for group in state["fp32_groups"]]
-        for g, j in places:
-            state["fp32_groups"][g][j] = torch.empty(0)
-        inner = state["optimizer_state_dict"] = dict(state["optimizer_state_dict"])
-        inner["state"] = {i: s for i, s in inner["state"].items() if i not in indices}
-        return {"kind": "unfused", "places": places, "indices": indices}
-    return None
-
-
-def _cut(tensor, spans):
-    keep, position = [], 0
-    for start, numel in spans:
-        keep.append(tensor[position:start])
-        position = start + numel
-    keep.append(tensor[position:])
-    return torch.cat(keep)
-
-
-def _paste_zeros(tensor, spans, numel):
-    """The inverse of _cut: a tensor of numel elements, tensor's elements in order, zeros in the spans."""
-    out = torch.zeros(numel, dtype=tensor.dtype, device=tensor.device)
-    taken = position = 0
-    for start, length in spans:
-        out[position:start] = tensor[taken:taken + start - position]
-        taken += start - position
-        position = start + length
-    out[position:] = tensor[taken:]
-    return out
-
-
-def _restore_tied_placeholders(engine, state, removed):
-    """Puts placeholders where _drop_tied_copies cut (the values come from the first stage afterwards)."""
-    if not removed:
-        return state
-    if removed["kind"] == "flat":
-        base = state["base_optimizer_state"] = {**state["base_optimizer_state"],
-                                                "state": dict(state["base_optimizer_state"]["state"])}
-        if "single_partition_of_fp32_groups" in state:
-            state["single_partition_of_fp32_groups"] = list(state["single_partition_of_fp32_groups"])
-        for where, group, key, numel in removed["cut"]:
-            spans = removed["ranges"][group]
-            if where == "fp32":
-                fp32 = state["single_partition_of_fp32_groups"]
-                fp32[group] = _paste_zeros(fp32[group], spans, numel)
-            else:
-                entry = base["state"][group] = dict(base["state"][group])
-                entry[key] = _paste_zeros(entry[key], spans, numel)
-    elif removed["kind"] == "unfused":
-        state["fp32_groups"] = [list(group) for group in state["fp32_groups"]]
-        for g, j in removed["places"]:
-            state["fp32_groups"][g][j] = engine.optimizer.fp32_groups[g][j].detach().clone()
-    return state
-
-
-def _live_state(optimizer, param):
-    """name -> tensor of param's full (unpartitioned) optimizer state, fp32 master included; collective over the
-    DP group for partitioned optimizers."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    if hasattr(param, "_hp_mapping"):
-        # every DP rank asks for the same keys (each call all-reduces), also one holding no fragment of param
-        keys = sorted({key for flat in optimizer.optimizer.state.values() for key, value in flat.items()
-                       if torch.is_tensor(value) and value.dim() == 1})
-        state = {"fp32": safe_get_full_fp32_param(param)}
-        for key in keys:
-            state[key] = safe_get_full_optimizer_state(param, key)
-        return state
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return dict(optimizer.state[param])
-    for g, group in enumerate(optimizer.fp16_groups):  # FP16_UnfusedOptimizer
-        for j, p in enumerate(group):
-            if p is param:
-                master = optimizer.fp32_groups[g][j]
-                return {"fp32": master, **optimizer.optimizer.state[master]}
-    raise AssertionError(f"tied parameter not found in {type(optimizer).__name__}")
-
-
-def _sync_tied_copies(engine):
-    """Sends the first stage's optimizer state of each tied weight to the stages holding copies."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    optimizer = engine.optimizer
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    tied = _tied_weights(engine) if _tied_kind(optimizer) else []
-    if tied and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-        # load_state_dict re-created the fragment mappings without their views of the Adam moments, which
-        # DeepSpeed links only after the first step: link them now, to the loaded moments.
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-    for _, param, comm in tied:
-        src = min(comm["ranks"])
-        own = dist.get_rank() == src
-        state = _live_state(optimizer, param) if own else None
-        layout = [[(k, tuple(v.shape), v.dtype, v.device.type) for k, v in state.items()] if own else None]
-        dist.broadcast_object_list(layout, src=src, group=comm["group"])
-        received = {}
-        for key, shape, dtype, device_type in layout[0]:
-            tensor = state[key].detach().to(device).contiguous() if own else \
-                torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(tensor, src=src, group=comm["group"])
-            received[key] = (tensor, device_type)
-        if own:
-            continue
-        if hasattr(param, "_hp_mapping"):  # BF16_Optimizer, ZeRO 1/2: each rank writes its own fragment
-            safe_set_full_fp32_param(param, received.pop("fp32")[0])
-            for key, (value, _) in received.items():
-                safe_set_full_optimizer_state(param, value, key)
-            continue
-        place = {k: v if kind != "cpu" else v.cpu() for k, (v, kind) in received.items()}
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.state[param] = place
-        else:  # FP16_UnfusedOptimizer
-            master = _live_state(optimizer, param)["fp32"]
-            master.data.copy_(place.pop("fp32"))
-            optimizer.optimizer.state[master] = place
 
 
 # ---------------------------------------------------------------- per-parameter index, resuming on another layout
@@ -390,7 +195,7 @@ def _step_of(states):
 
 def parameter_index(engine, saved, num_layers, pp_rank):
     """(step, {canonical name: entry}) saying where each parameter's state lies in collect()'s dict `saved`
-    (megatron/checkpoint_format.py describes the entries). Local, no collective."""
+    (megatron/checkpoint/saved_optimizer.py describes the entries). Local, no collective."""
     optimizer = engine.optimizer
     state = saved["optimizer"]
     dropped = saved["fp32_master_from_weights"]
@@ -442,7 +247,7 @@ def parameter_index(engine, saved, num_layers, pp_rank):
     elif isinstance(optimizer, torch.optim.Optimizer):  # fp32 without ZeRO: torch's AdamW, weights are the master
         order = [group["params"] for group in optimizer.param_groups]
         for name, param in named:
-            number = _param_index(order, param)
+            number = tied.param_index(order, param)
             if number in state["state"]:
                 add(name, param, param.shape, {"state": ["state", number], "fp32": None, "offset": 0, "start": 0,
                                                "numel": param.numel()})
@@ -452,7 +257,7 @@ def parameter_index(engine, saved, num_layers, pp_rank):
         inner = state["optimizer_state_dict"]["state"]
         for name, param in named:
             g, j = next((g, j) for g, group in enumerate(groups) for j, p in enumerate(group) if p is param)
-            number = _param_index(groups, param)
+            number = tied.param_index(groups, param)
             if number in inner:
                 add(name, param, param.shape, {"state": ["optimizer_state_dict", "state", number],
                                                "fp32": ["fp32_groups", g, j], "offset": 0, "start": 0,
@@ -472,12 +277,11 @@ def _fresh_adam_state(inner, tensor, step):
 
 
 def restore_from_parameters(engine, source, num_layers, pp_rank, tp, tp_rank):
-    """Writes a checkpoint's per-parameter optimizer state (checkpoint_format.SavedOptimizer, any layout) into this
+    """Writes a checkpoint's per-parameter optimizer state (saved_optimizer.SavedOptimizer, any layout) into this
     rank's optimizer wrapper: for each local parameter, its new TP slice of the fp32 master weights (where the
     wrapper keeps them; fp32 runs take the loaded weights) and of Adam's moments, and the step count. The module
     must hold the checkpoint's weights already. Local, no collective. Returns how many parameters were set."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    from megatron.checkpoint_format import KEYS, target_slice
     optimizer = engine.optimizer
     step = source.step
     refresh_master_weights(engine)  # the fp32 master from the loaded weights; replaced below where saved

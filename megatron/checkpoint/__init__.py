@@ -1,0 +1,18 @@
+"""Checkpoints: the on-disk format, durable writes, the collective save and load, and conversions to and from HF.
+
+    format.py           names, `latest`, the manifest check, choosing a folder, saved meta/config, the model's
+                        names, shapes and partition dims (pure: files and JSON, no process group, no DeepSpeed)
+    io.py               fsynced and atomic writes, checksummed torch.save, the manifest, atomic output folders
+    saved_optimizer.py  the per-parameter optimizer index (index_*.json) and its reader (pure)
+    streams.py          windows of tensors read from mapped files, safetensors written a block at a time
+    tied.py             the pipeline's tied-embedding copy in the optimizer state (left out, sent back on load)
+    optimizer_state.py  each rank's optimizer state, LR schedule and step counters (DeepSpeed's wrappers)
+    save.py             the collective save (atomic iter_* folders, pruning, --save checks)
+    load.py             resuming from --load (same or another layout, weights alone), the schedule warning
+    convert.py          merged and resharded checkpoints, written in our layout (tools, one process, CPU)
+    hf.py               Hugging Face folders: export, lazy import, load_any
+
+Dependencies point one way: format <- io <- save/load (with saved_optimizer <- tied/optimizer_state below them),
+and format <- streams/io <- convert <- hf. Nothing here imports megatron.training; import the modules themselves
+(this package re-exports nothing).
+"""

@@ -1,0 +1,270 @@
+"""Checkpoint format: file names, `latest`, the manifest, the saved meta/config, and the model's partition layout.
+
+Pure: files and JSON only (no torch.distributed, no DeepSpeed, no tensors). The rest of megatron.checkpoint
+builds on it.
+
+Layout of <save>/iter_0000100/ (written under <save>/.tmp_iter_0000100/ and renamed when complete):
+
+    model_tp00_pp000.pt     weights of (TP rank, PP stage) under BloomModel's names, with each tensor's
+                            partition dim; what tools/merge_mp_partitions.py, --finetune and resuming read
+    optimizer_tp00_pp000_dp00000.pt
+                            the engine state of (TP rank, PP stage, DP rank): DeepSpeed's optimizer wrapper's
+                            state_dict() (fp32 master weights under bf16/fp16, Adam's moments, the loss scaler;
+                            a ZeRO partition per DP rank, one file for the DP group when the state is replicated),
+                            the LR schedule's position and the engine's step counters. No model weights
+                            (megatron/checkpoint/optimizer_state.py).
+    index_tp00_pp000_dp00000.json
+                            beside each optimizer file: where each parameter's state (fp32 master, Adam's
+                            moments) lies in it, under BloomModel's names, with the partition dim its
+                            tensor-parallel layer sets (megatron/checkpoint/saved_optimizer.py); no tensors
+    rng_rank00000.pt        per-rank CPU/CUDA/model-parallel RNG states
+    tokenizer/              the tokenizer, saved with save_pretrained
+    config.json             the resolved run config
+    meta.json               iteration, consumed samples, topology, precision
+    manifest.json           written last: every file's size and CRC32
+
+<save>/latest holds the tag of the newest complete checkpoint (DeepSpeed's format) and is replaced atomically.
+A folder named iter_* is complete unless the disk itself lost data, which the manifest's sizes and CRC32s then
+catch on --load; .tmp_* folders (saves that did not finish) are never loaded.
+
+Per parameter a checkpoint takes 4 + 8 bytes (fp32 weights + Adam's two moments) or 2 + 4 + 8 (bf16/fp16
+weights + fp32 master weights + Adam), plus ZeRO's alignment padding and the files' headers (checkpoint_bytes).
+"""
+import dataclasses
+import json
+import logging
+import os
+import re
+import zlib
+
+from megatron.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+TAG_RE = re.compile(r"^iter_(\d{7,})$")
+TMP_PREFIX = ".tmp_"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the folder, the cause and the fix."""
+
+
+# ---------------------------------------------------------------- names
+
+
+def tag_for(iteration):
+    return f"iter_{iteration:07d}"
+
+
+def iteration_of(tag):
+    return int(TAG_RE.match(tag).group(1))
+
+
+def shard_name(tp_rank, pp_rank):
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+def optimizer_name(tp_rank, pp_rank, dp_rank):
+    return f"optimizer_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.pt"
+
+
+def index_name(tp_rank, pp_rank, dp_rank):
+    return f"index_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.json"
+
+
+def rng_name(rank):
+    return f"rng_rank{rank:05d}.pt"
+
+
+# ---------------------------------------------------------------- the manifest, `latest`, choosing a folder
+
+
+def file_crc32(path, chunk=1 << 24):
+    value = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return value
+            value = zlib.crc32(block, value)
+
+
+def verify_checkpoint(folder):
+    """None if the folder is a complete checkpoint, else the reason (a one-line string naming the file)."""
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return f"{manifest_path} is missing (the save did not finish)"
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if not isinstance(files, dict) or not files:
+            return f"{manifest_path} lists no files"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
+    for rel, info in files.items():
+        path = os.path.join(folder, rel)
+        if not isinstance(info, dict) or "size" not in info or "crc32" not in info:
+            return f"{manifest_path} has a malformed entry for {rel}"
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if os.path.getsize(path) != info["size"]:
+            return f"{path} has {os.path.getsize(path)} bytes, the manifest says {info['size']} (truncated?)"
+        if file_crc32(path) != info["crc32"]:
+            return f"{path} does not match its checksum (corrupt)"
+    return None
+
+
+def list_checkpoints(root):
+    """Tags under root, newest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((name for name in os.listdir(root) if TAG_RE.match(name)), key=iteration_of, reverse=True)
+
+
+def read_latest(root):
+    path = os.path.join(root, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def is_tag_folder(path):
+    """True when path's basename is iter_XXXXXXX (a checkpoint folder rather than a save root)."""
+    return TAG_RE.match(os.path.basename(os.path.normpath(path))) is not None
+
+
+def find_checkpoint(root, strict=False):
+    """The folder to resume from: `latest` if it verifies, else the newest complete one (logged).
+
+    With strict=True any problem with `latest` raises CheckpointError instead of falling back. Folders
+    named .tmp_* (saves that did not finish) are never candidates.
+    """
+    if is_tag_folder(root) and os.path.isdir(root):
+        reason = verify_checkpoint(root)
+        if reason:
+            raise CheckpointError(f"--load {root}: checkpoint is incomplete or corrupt: {reason}")
+        return root
+    latest = read_latest(root)
+    candidates = ([latest] if latest else []) + [t for t in list_checkpoints(root) if t != latest]
+    for tag in candidates:
+        folder = os.path.join(root, tag)
+        reason = verify_checkpoint(folder) if os.path.isdir(folder) else f"{folder} does not exist"
+        if reason is None:
+            return folder
+        if strict:
+            raise CheckpointError(f"--load {root}: checkpoint {tag} is incomplete or corrupt: {reason} "
+                                  "(--strict-load is set; drop it to fall back to an older checkpoint)")
+        logger.warning("skipping checkpoint %s: %s", tag, reason)
+    return None
+
+
+# ---------------------------------------------------------------- what the run recorded
+
+
+def read_meta(folder):
+    with open(os.path.join(folder, "meta.json")) as f:
+        return json.load(f)
+
+
+def read_saved_config(folder):
+    """config.json of a checkpoint folder as saved, or None when it is missing or unreadable."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def saved_model_config(root):
+    """The "model" section of the config saved with the checkpoint --load would pick first (None if none)."""
+    folder = root if is_tag_folder(root) else None
+    if folder is None:
+        latest = read_latest(root) if os.path.isdir(root) else None
+        tags = ([latest] if latest else []) + list_checkpoints(root)
+        folder = next((os.path.join(root, t) for t in tags if os.path.isfile(os.path.join(root, t, "config.json"))),
+                      None)
+    saved = read_saved_config(folder) if folder else None
+    return saved.get("model") if isinstance(saved, dict) else None
+
+
+def layout_text(tp, pp, dp, zero, precision):
+    return f"TP {tp}, PP {pp}, DP {dp}, ZeRO {zero}, {precision}"
+
+
+def checkpoint_bytes(num_parameters, precision, no_save_optim=False):
+    """Estimated size of one checkpoint: the weights once (model_tp*_pp*.pt) plus Adam's state (two fp32
+    moments, and fp32 master weights under bf16/fp16): 12 bytes per parameter in fp32, 14 in bf16/fp16."""
+    weight = 4 if precision == "fp32" else 2
+    optimizer = 0 if no_save_optim else (8 if precision == "fp32" else 12)
+    return num_parameters * (weight + optimizer)
+
+
+# ---------------------------------------------------------------- the model's names, shapes and partition dims
+
+
+# Dimension along which tensor parallelism splits each canonical tensor (None: replicated on every rank).
+_PARTITION_DIMS = [
+    (re.compile(r"^embedding\.word_embeddings\.weight$"), 0),
+    (re.compile(r"^layers\.\d+\.self_attention\.query_key_value\.(weight|bias)$"), 0),
+    (re.compile(r"^layers\.\d+\.self_attention\.dense\.weight$"), 1),
+    (re.compile(r"^layers\.\d+\.mlp\.dense_h_to_4h\.(weight|bias)$"), 0),
+    (re.compile(r"^layers\.\d+\.mlp\.dense_4h_to_h\.weight$"), 1),
+]
+
+
+def partition_dim(name):
+    for regex, dim in _PARTITION_DIMS:
+        if regex.match(name):
+            return dim
+    return None
+
+
+def expected_shapes(config):
+    """Canonical name -> full (unsplit) shape for a ModelConfig, in BloomModel's parameter order."""
+    h, f, v = config.hidden_size, config.ffn_dim, config.vocab_size
+    shapes = {"embedding.word_embeddings.weight": (v, h)}
+    if config.embed_layernorm:
+        shapes.update({"embedding.word_embeddings_layernorm.weight": (h,),
+                       "embedding.word_embeddings_layernorm.bias": (h,)})
+    for n in range(config.num_layers):
+        p = f"layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
+            p + "self_attention.query_key_value.weight": (3 * h, h),
+            p + "self_attention.query_key_value.bias": (3 * h,),
+            p + "self_attention.dense.weight": (h, h), p + "self_attention.dense.bias": (h,),
+            p + "post_attention_layernorm.weight": (h,), p + "post_attention_layernorm.bias": (h,),
+            p + "mlp.dense_h_to_4h.weight": (f, h), p + "mlp.dense_h_to_4h.bias": (f,),
+            p + "mlp.dense_4h_to_h.weight": (h, f), p + "mlp.dense_4h_to_h.bias": (h,),
+        })
+    shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
+    return shapes
+
+
+def check_shapes(shapes, config, source):
+    """RuntimeError naming source when names or shapes ({name: shape}) differ from what config describes."""
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in shapes]
+    unexpected = [name for name in shapes if name not in expected]
+    if missing or unexpected:
+        raise RuntimeError(f"{source}: the weights do not match the model config "
+                           f"(missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected "
+                           f"{unexpected[:3]}{'...' if len(unexpected) > 3 else ''}); is the checkpoint complete?")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise RuntimeError(f"{source}: {name} has shape {tuple(shapes[name])} but the model config "
+                               f"implies {shape}")
+
+
+def model_config_from_dict(fields, source, **overrides):
+    """ModelConfig from config.json's "model" section (unknown keys ignored), as a single-process model."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    values = {k: v for k, v in fields.items() if k in known}
+    values.update(tensor_model_parallel_size=1, checkpoint_activations=False, fused_layernorm=False)
+    values.update(overrides)
+    try:
+        return ModelConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise RuntimeError(f"{source}: the model section is not a valid model config ({err})") from err

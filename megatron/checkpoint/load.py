@@ -1,0 +1,307 @@
+"""Checkpoint loading: resume from --load (same layout or another), weights alone, and the LR-schedule change warning.
+
+Same layout (TP, PP, DP, ZeRO stage, precision): the weights from the model shards, then each rank's optimizer
+file loaded into the same wrapper (megatron/checkpoint/optimizer_state.py): the exact path.
+
+Another layout (same precision): the weights are merged along each tensor's partition dim and re-split for this
+run's TP rank; the optimizer state is read per parameter through the index files (megatron/checkpoint/
+saved_optimizer.py), whatever wrapper wrote it, and written into this run's wrapper (optimizer_state.
+restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
+over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
+Checkpoints without index files, or a precision change, load the weights alone and restart the optimizer (a
+warning). Checkpoints written before this layout (meta.json without "engine_state_version") hold DeepSpeed's own
+files and still load through engine.load_checkpoint.
+"""
+import dataclasses
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.format import (CheckpointError, find_checkpoint, index_name, layout_text, optimizer_name,
+                                        read_meta, read_saved_config, rng_name, shard_name)
+from megatron.checkpoint.saved_optimizer import SavedOptimizer, target_slice
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import get_rng_tracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ResumeState:
+    """Where training continues: the RNG states are applied by the loop once its data iterators exist
+    (creating a DataLoader iterator draws from the default generator)."""
+    iteration: int = 0
+    consumed_samples: int = 0
+    rng_state: dict = None
+
+
+def set_rng_state(state):
+    """Puts back save.rng_state()'s dict."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_rng_tracker().set_states(state["tracker"])
+
+
+def _warn_once(message, *args):
+    """A warning from global rank 0 only (every rank reaches the same conclusion)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message, *args)
+
+
+def choose_checkpoint(root, strict=False):
+    """find_checkpoint on rank 0 (one pass of CRC32s, not one per rank), its answer or error sent to all."""
+    answer = [None, None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            answer[0] = find_checkpoint(root, strict)
+        except RuntimeError as err:
+            answer[1] = str(err)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise CheckpointError(answer[1])
+    return answer[0]
+
+
+def _read_engine_state(folder, tp_rank, pp_rank, dp_rank):
+    path = os.path.join(folder, optimizer_name(tp_rank, pp_rank, dp_rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--load {folder}: {path} is missing although meta.json records the optimizer "
+                              "state; the checkpoint is incomplete (load an older one, or pass --no-load-optim "
+                              "to resume from the weights alone)")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_engine_state(engine, folder, load_optimizer=True):
+    """Restores each rank's optimizer state, LR schedule position and step counters (optimizer_state) into an
+    engine whose module holds the checkpoint's weights. --no-load-optim (load_optimizer=False) keeps the fresh
+    optimizer and schedule and copies the weights into the fp32 master weights. Returns the saved LR scheduler
+    state (None when not restored)."""
+    state = parallel_state.get_parallel_state()
+    if not load_optimizer:
+        optimizer_state.refresh_master_weights(engine)
+        return None
+    dp_rank = state.dp_rank if optimizer_state.partitioned(engine.optimizer) else 0
+    saved = _read_engine_state(folder, state.tp_rank, state.pp_rank, dp_rank)
+    try:
+        optimizer_state.restore(engine, saved,
+                                lambda r: _read_engine_state(folder, state.tp_rank, state.pp_rank, r))
+    except ValueError as err:
+        raise CheckpointError(f"--load {folder}: {err}; resume with the checkpoint's --zero-stage and precision, "
+                              "or pass --no-load-optim to restart the optimizer from the weights") from None
+    return saved["lr_scheduler"]
+
+
+def load_model_weights(module, folder, num_layers, zero_stage=0):
+    """Loads our canonical shards into this rank's module. With the checkpoint's TP and PP sizes: the stage's own
+    file and stage 0's (the tied embedding); with another PP size, every stage's file (the names are the whole
+    model's); with another TP size, every TP rank's files, each tensor's slices concatenated along the partition
+    dim the shard records and this rank's slice cut out (saved_optimizer.target_slice)."""
+    from megatron.model.pipeline import load_canonical_state_dict
+    state = parallel_state.get_parallel_state()
+    meta = read_meta(folder)
+    tp = state.tensor_model_parallel_size
+    saved_tp = meta.get("tensor_model_parallel_size") or tp
+    saved_pp = meta.get("pipeline_model_parallel_size") or state.pipeline_model_parallel_size
+    stages = sorted({0, state.pp_rank}) if saved_pp == state.pipeline_model_parallel_size else range(saved_pp)
+    tp_ranks = [state.tp_rank] if saved_tp == tp else range(saved_tp)
+    pieces, dims = {}, {}
+    for pp in stages:
+        for t in tp_ranks:
+            path = os.path.join(folder, shard_name(t, pp))
+            if not os.path.isfile(path):
+                raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load "
+                                      "another one)")
+            shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for name, tensor in shard["weights"].items():
+                pieces.setdefault(name, {})[t] = tensor
+                dims[name] = shard["partition_dims"].get(name)
+    weights = {}
+    live_dims = optimizer_state.canonical_partition_dims(module, num_layers) if saved_tp != tp else {}
+    for name, by_rank in pieces.items():
+        if saved_tp == tp:
+            weights[name] = by_rank[state.tp_rank]
+            continue
+        dim = dims[name] if dims[name] is not None else live_dims.get(name)  # older TP-1 shards record none
+        whole = torch.cat([by_rank[t] for t in range(saved_tp)], dim) if dim is not None else by_rank[0]
+        try:
+            weights[name] = target_slice(whole, dim, tp, state.tp_rank)
+        except ValueError as err:
+            raise CheckpointError(f"--load {folder}: {name} cannot be split for --tensor-model-parallel-size "
+                                  f"{tp} ({err}); pick a TP size that divides it") from None
+    if zero_stage == 3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            load_canonical_state_dict(module, weights, num_layers)
+    else:
+        load_canonical_state_dict(module, weights, num_layers)
+
+
+def load_checkpoint(engine, config):
+    """Resumes from --load. Returns a ResumeState (all zero when there is nothing to load).
+
+    Same layout (TP, PP, DP, ZeRO stage, precision) and an engine state: weights from the model shards, then each
+    rank's optimizer state and LR schedule position (load_engine_state). Another layout with per-parameter index
+    files: the weights and the optimizer state re-split (_restore_on_new_layout). Otherwise, or with --finetune,
+    the weights alone. Checkpoints from before this layout (no "engine_state_version") go through DeepSpeed's
+    engine.load_checkpoint.
+    """
+    ckpt = config.checkpoint
+    folder = choose_checkpoint(ckpt.load, strict=ckpt.strict_load)
+    if folder is None:
+        if ckpt.strict_load or ckpt.finetune:
+            raise CheckpointError(f"--load {ckpt.load}: no complete checkpoint found")
+        _warn_once("--load %s: no checkpoint found, starting from scratch", ckpt.load)
+        return ResumeState()
+    meta = read_meta(folder)
+    state = parallel_state.get_parallel_state()
+    same_layout = (meta.get("deepspeed_state") and
+                   meta["tensor_model_parallel_size"] == state.tensor_model_parallel_size and
+                   meta["pipeline_model_parallel_size"] == state.pipeline_model_parallel_size and
+                   meta["data_parallel_size"] == state.data_parallel_size and
+                   meta.get("zero_stage", config.training.zero_stage) == config.training.zero_stage and
+                   meta.get("precision", config.precision.name) == config.precision.name)
+    layout_change = not ckpt.finetune and not same_layout and not ckpt.no_load_optim and \
+        _has_parameter_index(folder, meta, config)
+    if layout_change:
+        load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+        _restore_on_new_layout(engine, folder, meta, config)
+        _warn_schedule_change(engine, folder, config)
+    elif ckpt.finetune or not same_layout:
+        load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+        optimizer_state.refresh_master_weights(engine)
+        if ckpt.finetune:
+            logger.info("loaded weights from %s for fine-tuning (iteration and optimizer restart)", folder)
+            return ResumeState()
+        _warn_once("loaded weights from %s; its layout (TP %s, PP %s, DP %s, ZeRO %s, %s) differs or has no engine "
+                   "state, so the optimizer and LR schedule restart", folder, meta["tensor_model_parallel_size"],
+                   meta["pipeline_model_parallel_size"], meta["data_parallel_size"], meta.get("zero_stage"),
+                   meta.get("precision"))
+    else:
+        if "engine_state_version" not in meta:  # written by DeepSpeed's engine.save_checkpoint
+            root, tag = os.path.split(os.path.normpath(folder))
+            engine.load_checkpoint(root, tag=tag, load_optimizer_states=not ckpt.no_load_optim,
+                                   load_lr_scheduler_states=not ckpt.no_load_optim)
+            schedule_restored = not ckpt.no_load_optim
+        else:
+            load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+            schedule_restored = load_engine_state(engine, folder, load_optimizer=not ckpt.no_load_optim) is not None
+        if schedule_restored:
+            _warn_schedule_change(engine, folder, config)
+    rng_path = os.path.join(folder, rng_name(state.rank))
+    rng = None
+    if not ckpt.no_load_rng and not layout_change and os.path.isfile(rng_path):
+        rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+    logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
+    return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
+
+
+def _has_parameter_index(folder, meta, config):
+    """True when the checkpoint can resume on this run's layout with its optimizer state: it holds the engine
+    state with per-parameter index files (saved_optimizer) and was trained in the same precision."""
+    return bool(meta.get("deepspeed_state") and meta.get("engine_state_version") and
+                meta.get("precision") == config.precision.name and
+                os.path.isfile(os.path.join(folder, index_name(0, 0, 0))))
+
+
+def _restore_on_new_layout(engine, folder, meta, config):
+    """The optimizer state, step count, LR schedule position and step counters of a checkpoint saved on another
+    layout (TP, PP, DP, ZeRO stage), per parameter through its index files. The module holds the weights."""
+    state = parallel_state.get_parallel_state()
+    before = layout_text(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
+                         meta["data_parallel_size"], meta.get("zero_stage"), meta.get("precision"))
+    now = layout_text(state.tensor_model_parallel_size, state.pipeline_model_parallel_size,
+                      state.data_parallel_size, config.training.zero_stage, config.precision.name)
+    try:
+        source = SavedOptimizer(folder, meta)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"--load {folder}: its per-parameter optimizer index is unreadable ({err}); load "
+                              "another checkpoint, or pass --no-load-optim to resume from the weights alone") from None
+    try:
+        optimizer_state.restore_from_parameters(engine, source, config.model.num_layers, state.pp_rank,
+                                                state.tensor_model_parallel_size, state.tp_rank)
+    except ValueError as err:
+        raise CheckpointError(f"--load {folder}: {err}") from None
+    saved = _read_engine_state(folder, 0, 0, 0)
+    optimizer_state.restore_counters(engine, saved)
+    optimizer_state.restore_loss_scale(engine, saved)
+    _warn_once("resuming on another layout: the checkpoint was trained on %s, this run is %s (weights, optimizer "
+               "state, LR schedule, loss scale and data position carried over; RNG states restart)", before, now)
+
+
+# ---------------------------------------------------------------- the LR schedule's flags changed on resume
+
+
+def _warn_schedule_change(engine, folder, config):
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and parallel_state.get_parallel_state().rank == 0:
+        message = schedule_change_message(read_saved_config(folder), config, scheduler.num_steps)
+        if message:
+            _warn_once("%s", message)
+
+
+# The LR schedule's inputs (OptimizerConfig fields) and their flags. lr_decay_iters is --train-iters unless
+# --lr-decay-iters is given, so a changed --train-iters moves the end of the decay.
+_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "lr_decay_style": "--lr-decay-style",
+                   "lr_decay_iters": "--lr-decay-iters", "lr_warmup_iters": "--lr-warmup-iters"}
+
+
+def _short(value):
+    """1.04e-4, 1e-6, 0, 20, cosine: values the way a command line spells them."""
+    if isinstance(value, (str, int)):
+        return str(value)
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+class _NoGroups:
+    """An optimizer without parameter groups, to evaluate a schedule with AnnealingLR alone."""
+    param_groups = ()
+
+
+def schedule_change_message(saved_config, config, iteration):
+    """One line naming the LR schedule flags whose values differ from the checkpoint's and what that does at the
+    resume iteration; None when the schedule is the same (or the checkpoint has no config.json).
+
+    The LR scheduler restores only its position (AnnealingLR.load_state_dict); its shape comes from the flags.
+    """
+    from megatron.optimizer import AnnealingLR
+    if not saved_config or "optimizer" not in saved_config:
+        return None
+    new = dataclasses.asdict(config.optimizer)
+    old = {**new, **{k: v for k, v in saved_config["optimizer"].items() if k in _SCHEDULE_FLAGS}}
+    old_iters, new_iters = saved_config.get("training", {}).get("train_iters"), config.training.train_iters
+    changed = [field for field in _SCHEDULE_FLAGS if old[field] != new[field]]
+    if not changed:
+        return None
+    changes = []
+    for field in changed:
+        if field == "lr_decay_iters" and old_iters != new_iters and (old[field], new[field]) == (old_iters, new_iters):
+            changes.append(f"--train-iters {old_iters} -> {new_iters}")  # the decay follows --train-iters
+        else:
+            changes.append(f"{_SCHEDULE_FLAGS[field]} {_short(old[field])} -> {_short(new[field])}")
+
+    def lr_at(opt, step):
+        return AnnealingLR(_NoGroups(), opt["lr"], opt["min_lr"], opt["lr_warmup_iters"], opt["lr_decay_iters"],
+                           opt["lr_decay_style"]).get_lr(step)
+
+    effects = []
+    if "lr_warmup_iters" in changed:
+        effects.append(f"the warmup now ends at iteration {new['lr_warmup_iters']}")
+    if new["lr_decay_style"] == "constant":
+        if "lr_decay_style" in changed:
+            effects.append("the lr is now constant after the warmup")
+    elif "lr_decay_iters" in changed or "lr_decay_style" in changed:
+        effects.append(f"the {new['lr_decay_style']} decay now ends at iteration {new['lr_decay_iters']}")
+    old_lr, new_lr = lr_at(old, iteration), lr_at(new, iteration)
+    if old_lr != new_lr:
+        effects.append(f"lr at iteration {iteration} is {_short(new_lr)} instead of {_short(old_lr)}")
+    else:
+        effects.append(f"lr at iteration {iteration} is still {_short(new_lr)}; later iterations differ")
+    return f"resume: {', '.join(changes)} (checkpoint's value -> now): {'; '.join(effects)}"

@@ -1,0 +1,68 @@
+"""DeepSpeed engine set-up: the model (BloomModel, or a PipelineModule for PP > 1), its parameter groups, the
+optimizer and LR schedule, all handed to deepspeed.initialize."""
+import logging
+
+import torch
+
+from megatron.optimizer import AnnealingLR, build_optimizer, get_param_groups
+
+logger = logging.getLogger("megatron.training")
+
+
+def device():
+    """This process's device: its CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_model(config, state):
+    """BloomModel for PP = 1, a PipelineModule over DeepSpeed's topology for PP > 1."""
+    if state.pipeline_model_parallel_size == 1:
+        from megatron.model import BloomModel
+        return BloomModel(config.model, tp_group=state.tp_group)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from megatron.model.pipeline import build_pipeline_model
+    topology = PipeModelDataParallelTopology(num_pp=state.pipeline_model_parallel_size,
+                                             num_mp=state.tensor_model_parallel_size,
+                                             num_dp=state.data_parallel_size)
+    with torch.no_grad():  # PipelineModule broadcasts the tied embedding; with grad on, torch warns at backward
+        return build_pipeline_model(config.model, topology, config.model.checkpoint_activations,
+                                    tp_group=state.tp_group)
+
+
+def _with_bf16_overflow_check(ds_config):
+    """DeepSpeed's ZeRO optimizers skip a bf16 step with a non-finite gradient only with check_grad_overflow."""
+    if not ds_config.get("bf16", {}).get("enabled"):
+        return ds_config
+    ds_config = {**ds_config, "bf16": {"check_grad_overflow": True, **ds_config["bf16"]}}
+    if not ds_config["bf16"]["check_grad_overflow"]:
+        logger.warning("DeepSpeed config bf16.check_grad_overflow is false: with ZeRO a non-finite gradient "
+                       "is applied to the weights instead of skipped")
+    return ds_config
+
+
+def setup_engine(config, ds_config, state):
+    """(engine, lr_scheduler): our model, param groups, optimizer and schedule inside deepspeed.initialize."""
+    import deepspeed
+    from megatron.core.parallel_state import DeepSpeedMPU
+
+    if config.training.partition_activations:
+        from megatron.core.tensor_parallel.random import use_deepspeed_checkpointing
+        from megatron.initialize import set_random_seeds
+        deepspeed.checkpointing.configure(DeepSpeedMPU(), partition_activations=True)
+        use_deepspeed_checkpointing()
+        set_random_seeds(config.model.seed, state)  # seeds DeepSpeed's tracker, now ours
+        logger.info("activation checkpointing: DeepSpeed's, saved activations partitioned across TP ranks")
+    model = build_model(config, state)
+    opt = config.optimizer
+    optimizer = build_optimizer(get_param_groups(model, opt.weight_decay), opt, config.training.cpu_offload)
+    scheduler = AnnealingLR(optimizer, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters,
+                            opt.lr_decay_style)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_with_bf16_overflow_check(ds_config),
+        mpu=DeepSpeedMPU() if state.pipeline_model_parallel_size == 1 else None, dist_init_required=False)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: %d parameters on this rank (%d in the whole model), %s, ZeRO %d", n_params,
+                config.model.num_parameters(), config.precision.name, config.training.zero_stage)
+    return engine, scheduler

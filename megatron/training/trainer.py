@@ -1,0 +1,313 @@
+"""The training loop: a Trainer that runs iterations on a DeepSpeed engine, logs, evaluates, saves and stops.
+
+Fault handling (docs/FAULTS.md): SIGTERM/SIGINT and the exit flags save at an iteration boundary and return;
+a non-finite loss or gradient norm skips that iteration's update (guards.NonFiniteGuard) and
+--max-nan-iterations in a row stop the run (NonFiniteError) without saving. Code outside the loop joins a run
+through callbacks (callbacks.Callback): the fault-injection tests pass theirs in (tests/faults.py).
+"""
+import dataclasses
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpoint import save as checkpoint_save
+from megatron.checkpoint.format import tag_for
+from megatron.checkpoint.load import ResumeState, set_rng_state
+from megatron.training.callbacks import CallbackList
+from megatron.training.engine import device
+from megatron.training.guards import ExitSignal, NonFiniteError, NonFiniteGuard, any_rank_over
+from megatron.training.metrics import (MetricsWriter, format_log_line, loss_scale, measure_matmul_tflops,
+                                       model_flops_per_iteration, peak_memory_gib)
+
+logger = logging.getLogger("megatron.training")
+
+OOM_HINT = ("CUDA out of memory: lower --micro-batch-size (raise gradient accumulation through "
+            "--global-batch-size to keep the batch), add --checkpoint-activations, raise --zero-stage, "
+            "add --cpu-offload, or use more tensor/pipeline parallelism")
+
+
+def _split(tokens):
+    """(B, S+1) tokens -> inputs (B, S), labels (B, S)."""
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class PipeBatches:
+    """Adapts {"text": (B, S+1)} batches to the (inputs, labels) pairs DeepSpeed's pipeline engine reads."""
+
+    def __init__(self, loader_iter):
+        self.it = loader_iter
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return _split(next(self.it)["text"])
+
+
+def dp_mean(value, dp_group):
+    """The mean of a host float over the data-parallel group (the value itself without one)."""
+    if dp_group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(tensor, group=dp_group)
+    return tensor.item() / dist.get_world_size(dp_group)
+
+
+def train_step(engine, data_iter, gradient_accumulation_steps, pipelined, dp_group=None, guard=None,
+               on_phase=None):
+    """One optimizer step over the global batch; returns the mean LM loss (the same on every rank).
+
+    guard: NonFiniteGuard, told whether any micro batch's loss was non-finite before the boundary step.
+    on_phase(phase): called before "forward", "backward" and the boundary "step" (callbacks' on_phase).
+    """
+    on_phase = on_phase or (lambda phase: None)
+    if pipelined:
+        on_phase("forward")
+        return engine.train_batch(data_iter=data_iter).item()
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    for micro in range(gradient_accumulation_steps):
+        inputs, labels = _split(next(data_iter)["text"].to(engine.device, non_blocking=True))
+        on_phase("forward")
+        loss = engine(inputs, labels=labels).mean()
+        if guard is not None:
+            guard.note_loss(loss)
+        on_phase("backward")
+        engine.backward(loss)
+        if micro == gradient_accumulation_steps - 1:
+            on_phase("step")
+        engine.step()
+        total += loss.detach()  # no host sync inside the accumulation loop
+    return dp_mean(total.item() / gradient_accumulation_steps, dp_group)
+
+
+@torch.no_grad()
+def evaluate(engine, data_iter, eval_iters, pipelined, dp_group=None):
+    """Mean LM loss over eval_iters global batches (eval_iters micro batches per DP rank without PP)."""
+    engine.eval()
+    losses = []
+    for _ in range(eval_iters):
+        if pipelined:  # the pipeline engine already averages over DP
+            losses.append(engine.eval_batch(data_iter=data_iter).item())
+        else:
+            inputs, labels = _split(next(data_iter)["text"].to(engine.device))
+            losses.append(engine(inputs, labels=labels).mean().item())
+    engine.train()
+    mean = sum(losses) / len(losses)
+    return mean if pipelined else dp_mean(mean, dp_group)
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run is: counters that a checkpoint restores, and the non-finite streak that it does not."""
+    iteration: int = 0
+    consumed_samples: int = 0
+    nan_streak: int = 0
+    nan_total: int = 0
+    last_saved: int = None  # iteration of this run's newest save
+    last_good: tuple = None  # (iteration, root) of the newest intact checkpoint
+
+
+class _LogWindow:
+    """Losses and wall time since the last log line."""
+
+    def __init__(self):
+        self.loss, self.iters, self.start = 0.0, 0, time.perf_counter()
+
+    def add(self, loss):
+        self.loss += loss
+        self.iters += 1
+
+    def mean_loss(self):
+        return self.loss / self.iters if self.iters else float("nan")
+
+
+class Trainer:
+    """Runs config.training.train_iters iterations of `engine` from `start` (a checkpoint's ResumeState).
+
+    The parallel layout comes in as `state` (core.parallel_state.ParallelState); `datasets` is (train, valid,
+    test); `callbacks` are megatron.training.Callback objects. train() returns {"iteration", "consumed_samples",
+    "losses" (iteration -> loss), "exit_reason"}.
+    """
+
+    def __init__(self, config, state, engine, scheduler, datasets, tokenizer=None, start=None, callbacks=()):
+        self.config, self.state, self.engine, self.scheduler = config, state, engine, scheduler
+        self.tokenizer = tokenizer
+        self.callbacks = CallbackList(callbacks)
+        self.pipelined = state.pipeline_model_parallel_size > 1
+        start = start or ResumeState()
+        ckpt = config.checkpoint
+        self.progress = Progress(start.iteration, start.consumed_samples,
+                                 last_good=(start.iteration, ckpt.load) if ckpt.load and start.iteration else None)
+        self.train_ds, self.valid_ds, _ = datasets
+        self.data_iter = self._batches(self.train_ds, start.consumed_samples, config.data.num_workers)
+        if start.rng_state is not None:
+            set_rng_state(start.rng_state)  # after iter(loader), which draws from the generator
+        self.guard = NonFiniteGuard(engine, state, config.optimizer.clip_grad)
+        self.losses = {}
+
+    def _batches(self, dataset, consumed, num_workers):
+        from megatron.data.samplers import build_pretraining_data_loader
+        loader = build_pretraining_data_loader(dataset, consumed, self.config.training.micro_batch_size,
+                                               self.state.dp_rank, self.state.data_parallel_size, num_workers)
+        return PipeBatches(iter(loader)) if self.pipelined else iter(loader)
+
+    def train(self):
+        training = self.config.training
+        self.writer = MetricsWriter(self.config.logging, self.state.rank)
+        self.exit_signal = ExitSignal(training.exit_signal_handler)
+        self.start_time, self.window = time.time(), _LogWindow()
+        self._peak = self._peak_tflops()
+        self.callbacks("on_train_start", self)
+        exit_reason = "finished"
+        try:
+            while self.progress.iteration < training.train_iters:
+                nonfinite = self._iteration()
+                iteration = self.progress.iteration
+                if iteration % self.config.logging.log_interval == 0 or iteration == training.train_iters:
+                    self._log()
+                self._stop_if_nonfinite_too_long()
+                if training.eval_interval and iteration % training.eval_interval == 0:
+                    self._evaluate()
+                if self.config.checkpoint.save_interval and iteration % self.config.checkpoint.save_interval == 0:
+                    if nonfinite:
+                        logger.warning("iteration %d: not saving a checkpoint after a non-finite iteration",
+                                       iteration)
+                    else:
+                        self.save()
+                exit_reason = self._exit_reason()
+                if exit_reason != "finished":
+                    break
+            evaluated_last = training.eval_interval and self.progress.iteration % training.eval_interval == 0
+            if exit_reason == "finished" and training.eval_iters > 0 and not evaluated_last:
+                self._evaluate()
+            self.save()
+        finally:
+            self.writer.close()
+        logger.info("training stopped at iteration %d (%s)", self.progress.iteration, exit_reason)
+        summary = {"iteration": self.progress.iteration, "consumed_samples": self.progress.consumed_samples,
+                   "losses": self.losses, "exit_reason": exit_reason}
+        self.callbacks("on_train_end", self, summary)
+        return summary
+
+    def _iteration(self):
+        """Runs one iteration; returns whether it was non-finite (its update skipped)."""
+        progress, engine = self.progress, self.engine
+        iteration = progress.iteration + 1
+        self.callbacks("on_iteration_start", self, iteration)
+        skipped_before = int(getattr(engine, "skipped_steps", 0))
+        try:
+            loss = train_step(engine, self.data_iter, self.config.training.gradient_accumulation_steps,
+                              self.pipelined, self.state.dp_group, self.guard,
+                              on_phase=lambda phase: self.callbacks("on_phase", self, iteration, phase))
+        except torch.cuda.OutOfMemoryError as err:
+            raise RuntimeError(OOM_HINT) from err
+        progress.iteration = iteration
+        progress.consumed_samples += self.config.training.global_batch_size
+        self.losses[iteration] = loss
+        self.callbacks("on_iteration_end", self, iteration, loss)
+        return self._check_finite(loss, int(getattr(engine, "skipped_steps", 0)) - skipped_before)
+
+    def _check_finite(self, loss, skipped):
+        progress = self.progress
+        nonfinite = any_rank_over(0.0 if math.isfinite(loss) else 1.0, 0.5) or \
+            (skipped > 0 and not self.config.precision.fp16)  # bf16/fp32 skip only a non-finite gradient
+        if not nonfinite:
+            progress.nan_streak = 0
+            self.window.add(loss)
+            return False
+        progress.nan_total += 1
+        progress.nan_streak += 1
+        if skipped == 0:
+            raise NonFiniteError(
+                f"lm loss is {loss} at iteration {progress.iteration} and the optimizer applied the update (is "
+                "bf16.check_grad_overflow false in the DeepSpeed config?); stopping without saving. "
+                + self._where_to_resume())
+        logger.warning("iteration %d: lm loss %s, gradient norm %s: update skipped (%d in a row)",
+                       progress.iteration, loss, self.guard.grad_norm(), progress.nan_streak)
+        return True
+
+    def _stop_if_nonfinite_too_long(self):
+        training, precision, progress = self.config.training, self.config.precision, self.progress
+        at_min_scale = precision.fp16 and (loss_scale(self.engine) or 0) <= precision.min_loss_scale
+        if progress.nan_streak >= training.max_nan_iterations and (not precision.fp16 or at_min_scale):
+            raise NonFiniteError(
+                f"lm loss or gradient norm not finite at iteration {progress.iteration}, {progress.nan_streak} "
+                f"iterations in a row (--max-nan-iterations {training.max_nan_iterations}); their updates were "
+                "skipped. Usual causes: learning rate too high (--lr, --lr-warmup-iters), precision (fp16 "
+                "overflows: use --bf16; check --loss-scale), no or loose clipping (--clip-grad), bad data. "
+                + self._where_to_resume())
+
+    def _log(self):
+        config, training, progress = self.config, self.config.training, self.progress
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        interval = config.logging.log_interval
+        per_iter = (time.perf_counter() - self.window.start) / (progress.iteration % interval or interval)
+        flops = model_flops_per_iteration(training.global_batch_size, config.model.seq_length,
+                                          config.model.num_layers, config.model.hidden_size,
+                                          config.model.vocab_size, config.model.checkpoint_activations)
+        # per GPU; without CUDA (tests, the quickstart on a laptop) a TFLOP/s figure means nothing: left out
+        tflops = flops / per_iter / self.state.world_size / 1e12 if torch.cuda.is_available() else None
+        metrics = dict(
+            iteration=progress.iteration, train_iters=training.train_iters,
+            consumed_samples=progress.consumed_samples,
+            consumed_tokens=progress.consumed_samples * config.model.seq_length, ms_per_iteration=1000 * per_iter,
+            lr=self.scheduler.get_lr(), global_batch_size=training.global_batch_size,
+            lm_loss=self.window.mean_loss(), loss_scale=loss_scale(self.engine), grad_norm=self.guard.grad_norm(),
+            skipped_iterations=int(getattr(self.engine, "skipped_steps", 0)), nan_iterations=progress.nan_total,
+            samples_per_second=training.global_batch_size / per_iter,
+            tokens_per_second=training.global_batch_size * config.model.seq_length / per_iter,
+            tflops=tflops, mfu=tflops / self._peak if self._peak and tflops is not None else None,
+            **peak_memory_gib())
+        logger.info(format_log_line(metrics))
+        self.writer.write("train", metrics)
+        self.window = _LogWindow()
+
+    def _peak_tflops(self):
+        if self.config.logging.peak_tflops:
+            return self.config.logging.peak_tflops
+        return measure_matmul_tflops(device()) if torch.cuda.is_available() else None
+
+    def _evaluate(self):
+        if self.valid_ds is None:
+            return
+        iteration = self.progress.iteration
+        loss = evaluate(self.engine, self._batches(self.valid_ds, 0, 0), self.config.training.eval_iters,
+                        self.pipelined, self.state.dp_group)
+        ppl = math.exp(min(20.0, loss))
+        logger.info("validation at iteration %d | lm loss: %.6E | lm loss PPL: %.6E |", iteration, loss, ppl)
+        self.writer.write("valid", {"iteration": iteration, "lm_loss": loss, "ppl": ppl})
+
+    def save(self):
+        """Saves the current iteration to --save (once per iteration; nothing without --save)."""
+        progress, ckpt = self.progress, self.config.checkpoint
+        if not ckpt.save or progress.last_saved == progress.iteration:
+            return
+        iteration = progress.iteration
+        checkpoint_save.save_checkpoint(
+            self.engine, self.config, iteration, progress.consumed_samples, self.tokenizer,
+            on_written=lambda folder: self.callbacks("on_checkpoint_written", self, iteration))
+        progress.last_saved = iteration
+        progress.last_good = (iteration, ckpt.save)
+
+    def _exit_reason(self):
+        training, iteration = self.config.training, self.progress.iteration
+        if training.exit_interval and iteration % training.exit_interval == 0:
+            return f"--exit-interval {training.exit_interval}"
+        if training.exit_duration_in_mins and any_rank_over(time.time() - self.start_time,
+                                                            60 * training.exit_duration_in_mins):
+            return f"--exit-duration-in-mins {training.exit_duration_in_mins}"
+        if training.exit_signal_handler and self.exit_signal.any_rank():
+            return "exit signal"
+        return "finished"
+
+    def _where_to_resume(self):
+        ckpt, last_good = self.config.checkpoint, self.progress.last_good
+        if last_good is None:
+            return f"No checkpoint was saved{' in ' + ckpt.save if ckpt.save else ''} yet."
+        iteration, root = last_good
+        return (f"The last good checkpoint, {tag_for(iteration)} in {root}, is intact: fix the "
+                f"cause and relaunch with --load {root}.")
