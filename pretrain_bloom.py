@@ -42,7 +42,7 @@ def main(argv=None, callbacks=()):
     try:
         start = None
         if config.checkpoint.load:
-            start = load_checkpoint(engine, config)
+            start = load_checkpoint(engine, config, state)
         trainer = Trainer(config, state, engine, scheduler, build_datasets(config), tokenizer, start, callbacks)
         result = trainer.train()
     except (CheckpointError, FatalTrainingError, IndexedDatasetError) as err:  # one line, exit 1

@@ -27,3 +27,42 @@ def sample_data(tmp_path_factory):
         "--vocab-file", TOKENIZER / "vocab.json", "--merge-file", TOKENIZER / "merges.txt",
         "--dataset-impl", "mmap", "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", "1"])
     return str(out / "sample_text_document")
+
+
+# ---------------------------------------------------------------- training runs shared by several test files
+# (tests/integration/test_layout_change.py and test_convert_checkpoint.py; their flags are test_layout_change's)
+
+
+@pytest.fixture(scope="session")
+def layout_source(tmp_path_factory, sample_data):
+    """The uninterrupted TP 2 x PP 2 fp32 run of 20 iterations (4 processes, ZeRO 0), saved at iterations 10 and
+    20: its output folder (ckpt/, metrics.jsonl)."""
+    from tests.integration.test_layout_change import SOURCE, args
+    from tests.launch import run_pretrain
+    out = tmp_path_factory.mktemp("layout_source")
+    run_pretrain(args(sample_data, out, *SOURCE, "--save", str(out / "ckpt"), "--save-interval", "10"), 4)
+    return out
+
+
+@pytest.fixture(scope="session")
+def layout_resumed_on_zero1(layout_source, sample_data, tmp_path_factory):
+    """layout_source's iteration-10 checkpoint resumed on TP 1 x PP 1 x DP 2 ZeRO-1 for iterations 11-20:
+    (the finished process, its output folder)."""
+    from tests.integration.test_layout_change import LAYOUTS, args
+    from tests.launch import run_pretrain
+    flags, nproc = LAYOUTS["tp1-pp1-dp2-zero1"]
+    out = tmp_path_factory.mktemp("layout_resumed_on_zero1")
+    proc = run_pretrain(args(sample_data, out, *flags, "--load", str(layout_source / "ckpt" / "iter_0000010")), nproc)
+    return proc, out
+
+
+@pytest.fixture(scope="session")
+def bf16_zero1_source(tmp_path_factory, sample_data):
+    """A bf16 TP 1 x DP 2 ZeRO-1 run (2 processes) stopped after iteration 14 (--exit-interval; the schedule is
+    --train-iters 20's), saved at iterations 10 and 14: its output folder (ckpt/, metrics.jsonl)."""
+    from tests.integration.test_layout_change import args
+    from tests.launch import run_pretrain
+    out = tmp_path_factory.mktemp("bf16_zero1_source")
+    run_pretrain(args(sample_data, out, "--bf16", "--zero-stage", "1", "--exit-interval", "14", "--save",
+                      str(out / "ckpt"), "--save-interval", "10"), 2)
+    return out

@@ -11,8 +11,10 @@
     load.py             resuming from --load (same or another layout, weights alone), the schedule warning
     convert.py          merged and resharded checkpoints, written in our layout (tools, one process, CPU)
     hf.py               Hugging Face folders: export, lazy import, load_any
+    universal.py        any checkpoint with optimizer state rewritten for another TP x PP, its optimizer state per
+                        parameter (tools/convert_checkpoint.py; resumes on any DP size and ZeRO stage)
 
 Dependencies point one way: format <- io <- save/load (with saved_optimizer <- tied/optimizer_state below them),
-and format <- streams/io <- convert <- hf. Nothing here imports megatron.training; import the modules themselves
-(this package re-exports nothing).
+and format <- streams/io <- convert <- hf, universal. Nothing here imports megatron.training; import the modules
+themselves (this package re-exports nothing).
 """

@@ -193,6 +193,26 @@ def layout_text(tp, pp, dp, zero, precision):
     return f"TP {tp}, PP {pp}, DP {dp}, ZeRO {zero}, {precision}"
 
 
+# meta.json's "optimizer_format" of a checkpoint written by tools/convert_checkpoint.py (checkpoint/universal.py)
+OPTIMIZER_FORMAT_PARAMETERS = "parameters"
+
+
+def converted(meta):
+    """True for a checkpoint written by tools/convert_checkpoint.py: its optimizer files hold state per parameter,
+    for any DP size and ZeRO stage, so it always resumes through the index files, never into a DeepSpeed
+    wrapper's state_dict."""
+    return meta.get("optimizer_format") == OPTIMIZER_FORMAT_PARAMETERS
+
+
+def saved_layout_text(meta):
+    """The layout a checkpoint was written on, from its meta.json ("DP any, ZeRO any" for a converted one)."""
+    if converted(meta):
+        return layout_text(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"], "any", "any",
+                           meta.get("precision")) + " (tools/convert_checkpoint.py)"
+    return layout_text(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
+                       meta.get("data_parallel_size"), meta.get("zero_stage"), meta.get("precision"))
+
+
 def checkpoint_bytes(num_parameters, precision, no_save_optim=False):
     """Estimated size of one checkpoint: the weights once (model_tp*_pp*.pt) plus Adam's state (two fp32
     moments, and fp32 master weights under bf16/fp16): 12 bytes per parameter in fp32, 14 in bf16/fp16."""

@@ -8,9 +8,11 @@ run's TP rank; the optimizer state is read per parameter through the index files
 saved_optimizer.py), whatever wrapper wrote it, and written into this run's wrapper (optimizer_state.
 restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
 over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
-Checkpoints without index files, or a precision change, load the weights alone and restart the optimizer (a
-warning). Checkpoints written before this layout (meta.json without "engine_state_version") hold DeepSpeed's own
-files and still load through engine.load_checkpoint.
+Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/universal.py: meta.json's
+"optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files,
+or a precision change, load the weights alone and restart the optimizer (a warning). Checkpoints written before
+this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
+engine.load_checkpoint.
 """
 import dataclasses
 import logging
@@ -20,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint import optimizer_state
-from megatron.checkpoint.format import (CheckpointError, find_checkpoint, index_name, layout_text, optimizer_name,
-                                        read_meta, read_saved_config, rng_name, shard_name)
+from megatron.checkpoint.format import (CheckpointError, converted, find_checkpoint, index_name, layout_text,
+                                        optimizer_name, read_meta, read_saved_config, rng_name, saved_layout_text,
+                                        shard_name)
 from megatron.checkpoint.saved_optimizer import SavedOptimizer, target_slice
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
@@ -76,12 +78,11 @@ def _read_engine_state(folder, tp_rank, pp_rank, dp_rank):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def load_engine_state(engine, folder, load_optimizer=True):
+def load_engine_state(engine, folder, state, load_optimizer=True):
     """Restores each rank's optimizer state, LR schedule position and step counters (optimizer_state) into an
     engine whose module holds the checkpoint's weights. --no-load-optim (load_optimizer=False) keeps the fresh
     optimizer and schedule and copies the weights into the fp32 master weights. Returns the saved LR scheduler
-    state (None when not restored)."""
-    state = parallel_state.get_parallel_state()
+    state (None when not restored). state: the run's ParallelState."""
     if not load_optimizer:
         optimizer_state.refresh_master_weights(engine)
         return None
@@ -96,13 +97,12 @@ def load_engine_state(engine, folder, load_optimizer=True):
     return saved["lr_scheduler"]
 
 
-def load_model_weights(module, folder, num_layers, zero_stage=0):
+def load_model_weights(module, folder, num_layers, state, zero_stage=0):
     """Loads our canonical shards into this rank's module. With the checkpoint's TP and PP sizes: the stage's own
     file and stage 0's (the tied embedding); with another PP size, every stage's file (the names are the whole
     model's); with another TP size, every TP rank's files, each tensor's slices concatenated along the partition
     dim the shard records and this rank's slice cut out (saved_optimizer.target_slice)."""
     from megatron.model.pipeline import load_canonical_state_dict
-    state = parallel_state.get_parallel_state()
     meta = read_meta(folder)
     tp = state.tensor_model_parallel_size
     saved_tp = meta.get("tensor_model_parallel_size") or tp
@@ -141,7 +141,7 @@ def load_model_weights(module, folder, num_layers, zero_stage=0):
         load_canonical_state_dict(module, weights, num_layers)
 
 
-def load_checkpoint(engine, config):
+def load_checkpoint(engine, config, state):
     """Resumes from --load. Returns a ResumeState (all zero when there is nothing to load).
 
     Same layout (TP, PP, DP, ZeRO stage, precision) and an engine state: weights from the model shards, then each
@@ -158,8 +158,7 @@ def load_checkpoint(engine, config):
         _warn_once("--load %s: no checkpoint found, starting from scratch", ckpt.load)
         return ResumeState()
     meta = read_meta(folder)
-    state = parallel_state.get_parallel_state()
-    same_layout = (meta.get("deepspeed_state") and
+    same_layout = (meta.get("deepspeed_state") and not converted(meta) and
                    meta["tensor_model_parallel_size"] == state.tensor_model_parallel_size and
                    meta["pipeline_model_parallel_size"] == state.pipeline_model_parallel_size and
                    meta["data_parallel_size"] == state.data_parallel_size and
@@ -168,19 +167,17 @@ def load_checkpoint(engine, config):
     layout_change = not ckpt.finetune and not same_layout and not ckpt.no_load_optim and \
         _has_parameter_index(folder, meta, config)
     if layout_change:
-        load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
-        _restore_on_new_layout(engine, folder, meta, config)
+        load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
+        _restore_on_new_layout(engine, folder, meta, config, state)
         _warn_schedule_change(engine, folder, config)
     elif ckpt.finetune or not same_layout:
-        load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
+        load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
         optimizer_state.refresh_master_weights(engine)
         if ckpt.finetune:
             logger.info("loaded weights from %s for fine-tuning (iteration and optimizer restart)", folder)
             return ResumeState()
-        _warn_once("loaded weights from %s; its layout (TP %s, PP %s, DP %s, ZeRO %s, %s) differs or has no engine "
-                   "state, so the optimizer and LR schedule restart", folder, meta["tensor_model_parallel_size"],
-                   meta["pipeline_model_parallel_size"], meta["data_parallel_size"], meta.get("zero_stage"),
-                   meta.get("precision"))
+        _warn_once("loaded weights from %s; its layout (%s) differs or has no engine state, so the optimizer and "
+                   "LR schedule restart", folder, saved_layout_text(meta))
     else:
         if "engine_state_version" not in meta:  # written by DeepSpeed's engine.save_checkpoint
             root, tag = os.path.split(os.path.normpath(folder))
@@ -188,8 +185,8 @@ def load_checkpoint(engine, config):
                                    load_lr_scheduler_states=not ckpt.no_load_optim)
             schedule_restored = not ckpt.no_load_optim
         else:
-            load_model_weights(engine.module, folder, config.model.num_layers, config.training.zero_stage)
-            schedule_restored = load_engine_state(engine, folder, load_optimizer=not ckpt.no_load_optim) is not None
+            load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
+            schedule_restored = load_engine_state(engine, folder, state, not ckpt.no_load_optim) is not None
         if schedule_restored:
             _warn_schedule_change(engine, folder, config)
     rng_path = os.path.join(folder, rng_name(state.rank))
@@ -208,16 +205,15 @@ def _has_parameter_index(folder, meta, config):
                 os.path.isfile(os.path.join(folder, index_name(0, 0, 0))))
 
 
-def _restore_on_new_layout(engine, folder, meta, config):
+def _restore_on_new_layout(engine, folder, meta, config, state):
     """The optimizer state, step count, LR schedule position and step counters of a checkpoint saved on another
     layout (TP, PP, DP, ZeRO stage), per parameter through its index files. The module holds the weights."""
-    state = parallel_state.get_parallel_state()
-    before = layout_text(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
-                         meta["data_parallel_size"], meta.get("zero_stage"), meta.get("precision"))
+    any_dp = converted(meta)  # one file per TP x PP rank, for any DP size and ZeRO stage
+    before = saved_layout_text(meta)
     now = layout_text(state.tensor_model_parallel_size, state.pipeline_model_parallel_size,
                       state.data_parallel_size, config.training.zero_stage, config.precision.name)
     try:
-        source = SavedOptimizer(folder, meta)
+        source = SavedOptimizer(folder, {**meta, "data_parallel_size": 1} if any_dp else meta)
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"--load {folder}: its per-parameter optimizer index is unreadable ({err}); load "
                               "another checkpoint, or pass --no-load-optim to resume from the weights alone") from None
@@ -238,7 +234,7 @@ def _restore_on_new_layout(engine, folder, meta, config):
 
 def _warn_schedule_change(engine, folder, config):
     scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and parallel_state.get_parallel_state().rank == 0:
+    if scheduler is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         message = schedule_change_message(read_saved_config(folder), config, scheduler.num_steps)
         if message:
             _warn_once("%s", message)

@@ -342,7 +342,7 @@ def restore_counters(engine, saved):
         scheduler.load_state_dict(saved["lr_scheduler"])
 
 
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def _scaler_of(optimizer):
@@ -362,8 +362,8 @@ def restore_loss_scale(engine, saved):
     target = _scaler_of(engine.optimizer)
     state = saved["optimizer"]
     source = state.get("loss_scaler") if isinstance(state, dict) else None
-    values = {f: getattr(source, f) for f in _SCALER_FIELDS if hasattr(source, f)} if source is not None else \
-        {f: state[f] for f in _SCALER_FIELDS if isinstance(state, dict) and f in state}
+    values = {f: getattr(source, f) for f in SCALER_FIELDS if hasattr(source, f)} if source is not None else \
+        {f: state[f] for f in SCALER_FIELDS if isinstance(state, dict) and f in state}
     if target is None or "cur_scale" not in values:
         return None
     for field, value in values.items():

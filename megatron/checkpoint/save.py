@@ -28,7 +28,6 @@ from megatron.checkpoint.format import (TMP_PREFIX, CheckpointError, index_name,
 from megatron.checkpoint.io import (fsync_dir, fsync_tree, torch_save_synced, write_json_atomic, write_manifest,
                                     write_text_atomic, write_text_synced)
 from megatron.checkpoint.saved_optimizer import index_text
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
@@ -38,9 +37,8 @@ def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _agree_on_failure(error):
+def _agree_on_failure(error, state):
     """Collective: the lowest rank whose step failed (None when none did). Doubles as a barrier."""
-    state = parallel_state.get_parallel_state()
     if not dist.is_initialized():
         return None if error is None else state.rank
     flag = torch.tensor([state.rank if error is not None else state.world_size], dtype=torch.int64,
@@ -58,17 +56,17 @@ def _gathered(module, zero_stage):
     return contextlib.nullcontext()
 
 
-def model_shard(module, num_layers, zero_stage=0):
+def model_shard(module, num_layers, zero_stage=0, pp_rank=0):
     """{"weights": canonical name -> CPU tensor, "partition_dims": name -> dim or None} for this rank (the dim
-    along which the owning tensor-parallel layer splits the tensor, recorded at every TP size)."""
+    along which the owning tensor-parallel layer splits the tensor, recorded at every TP size). The word
+    embedding is kept on the first pipeline stage only (the last stage's tied copy holds the same)."""
     from megatron.model.pipeline import canonical_name, is_pipeline_module
-    state = parallel_state.get_parallel_state()
     weights, dims = {}, {}
     split_dims = optimizer_state.partition_dims(module)
     with _gathered(module, zero_stage):
         for name, param in module.named_parameters():
             canonical = canonical_name(name, num_layers) if is_pipeline_module(module) else name
-            if canonical is None or (canonical.startswith("embedding.") and state.pp_rank != 0):
+            if canonical is None or (canonical.startswith("embedding.") and pp_rank != 0):
                 continue
             weights[canonical] = param.detach().to("cpu", copy=True)
             dims[canonical] = split_dims.get(id(param))
@@ -110,7 +108,7 @@ def _write_rank_files(engine, config, tmp, state):
             del saved
             name = index_name(state.tp_rank, state.pp_rank, state.dp_rank)
             written[name] = write_text_synced(index_text(step, params), os.path.join(tmp, name))
-    shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage)
+    shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage, state.pp_rank)
     if state.dp_rank == 0:
         name = shard_name(state.tp_rank, state.pp_rank)
         written[name] = torch_save_synced(shard, os.path.join(tmp, name))
@@ -138,8 +136,9 @@ def _publish(root, tmp, tag, meta, config, tokenizer, written):
     fsync_dir(root)
 
 
-def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None, on_written=None):
-    """Collective: every rank calls it. Returns the final folder.
+def save_checkpoint(engine, config, state, iteration, consumed_samples, tokenizer=None, on_written=None):
+    """Collective: every rank calls it; state is the run's core.parallel_state.ParallelState. Returns the final
+    folder.
 
     Three steps, each closed by an all-reduce of a failure flag so that every rank raises together:
     rank 0 prepares <save>/.tmp_iter_N; every rank writes and fsyncs its files; rank 0 writes meta, config,
@@ -148,7 +147,6 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
     (an OSError it raises fails the save as a write error would).
     """
     root = config.checkpoint.save
-    state = parallel_state.get_parallel_state()
     tag = tag_for(iteration)
     tmp = os.path.join(root, TMP_PREFIX + tag)
     previous = read_latest(root) if state.rank == 0 else None
@@ -170,7 +168,7 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
             os.makedirs(tmp)
         except OSError as err:
             error = err
-    failed = _agree_on_failure(error)
+    failed = _agree_on_failure(error, state)
     if failed is not None:
         fail("creating the temporary folder", failed, error)
 
@@ -181,7 +179,7 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
             on_written(tmp)
     except OSError as err:
         error = err
-    failed = _agree_on_failure(error)
+    failed = _agree_on_failure(error, state)
     if failed is not None:
         fail("writing its files", failed, error)
     if dist.is_initialized():
@@ -201,7 +199,7 @@ def save_checkpoint(engine, config, iteration, consumed_samples, tokenizer=None,
             _publish(root, tmp, tag, meta, config, tokenizer, written)
         except OSError as err:
             error = err
-    failed = _agree_on_failure(error)
+    failed = _agree_on_failure(error, state)
     if failed is not None:
         fail("writing the manifest", failed, error)
     if state.rank == 0:

@@ -288,7 +288,7 @@ class Trainer:
             return
         iteration = progress.iteration
         checkpoint_save.save_checkpoint(
-            self.engine, self.config, iteration, progress.consumed_samples, self.tokenizer,
+            self.engine, self.config, self.state, iteration, progress.consumed_samples, self.tokenizer,
             on_written=lambda folder: self.callbacks("on_checkpoint_written", self, iteration))
         progress.last_saved = iteration
         progress.last_good = (iteration, ckpt.save)

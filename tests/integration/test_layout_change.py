@@ -53,19 +53,22 @@ def records(metrics_file):
         return {r["iteration"]: r for r in map(json.loads, f) if r["kind"] == "train"}
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory, sample_data):
-    """The uninterrupted TP 2 x PP 2 run; its iteration-10 checkpoint."""
-    out = tmp_path_factory.mktemp("layout_source")
-    run_pretrain(args(sample_data, out, *SOURCE, "--save", str(out / "ckpt"), "--save-interval", "10"), 4)
-    return out
+@pytest.fixture
+def source(layout_source):
+    """The uninterrupted TP 2 x PP 2 run (tests/conftest.py, shared with test_convert_checkpoint.py); its
+    iteration-10 checkpoint."""
+    return layout_source
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_resume_on_another_layout_equals_uninterrupted(layout, source, sample_data, tmp_path):
+def test_resume_on_another_layout_equals_uninterrupted(layout, source, sample_data, tmp_path, request):
     flags, nproc = LAYOUTS[layout]
-    proc = run_pretrain(args(sample_data, tmp_path, *flags, "--load", str(source / "ckpt" / "iter_0000010")), nproc)
+    if layout == "tp1-pp1-dp2-zero1":  # shared with test_convert_checkpoint.py (tests/conftest.py)
+        proc, tmp_path = request.getfixturevalue("layout_resumed_on_zero1")
+    else:
+        proc = run_pretrain(args(sample_data, tmp_path, *flags, "--load", str(source / "ckpt" / "iter_0000010")),
+                            nproc)
     tp, pp = int(flags[1]), int(flags[3])
     now = f"TP {tp}, PP {pp}, DP {nproc // (tp * pp)}, ZeRO {flags[5]}, fp32"
     lines = [line for line in proc.stderr.splitlines() if "resuming on another layout" in line]
@@ -87,13 +90,9 @@ def assert_continues(straight_file, resumed_file, loss_tolerance, norm_rtol=GRAD
 
 
 @pytest.mark.slow
-def test_bf16_resume_from_zero1_onto_tp2_pp2(sample_data, tmp_path):
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    zero1 = ["--bf16", "--zero-stage", "1"]
+def test_bf16_resume_from_zero1_onto_tp2_pp2(bf16_zero1_source, sample_data, tmp_path):
+    straight = bf16_zero1_source  # TP 1 x DP 2 ZeRO-1, bf16, stopped after iteration 14 (tests/conftest.py)
     stop = ["--exit-interval", "14"]  # 4 iterations past the save: the schedule is still --train-iters 20's
-    run_pretrain(args(sample_data, straight, *zero1, *stop, "--save", str(straight / "ckpt"), "--save-interval",
-                      "10"), 2)
     proc = run_pretrain(args(sample_data, tmp_path, "--bf16", *SOURCE, *stop, "--load",
                              str(straight / "ckpt" / "iter_0000010")), 4)
     assert ("resuming on another layout: the checkpoint was trained on TP 1, PP 1, DP 2, ZeRO 1, bf16, this run is "

@@ -112,6 +112,24 @@ def test_two_nodes_train_like_one_node(tmp_path, sample_data):
     assert shm_left == []  # no shared-memory all-reduce buffers across "hosts"
 
 
+@pytest.mark.slow
+def test_one_node_checkpoint_resumes_on_two_nodes(tmp_path, sample_data):
+    """Trained on one node (TP 2, DP 1: 2 processes) to iteration 2, resumed on two nodes (TP 2 inside a node, DP 2
+    across them): the continuation equals the one-node TP 2 x DP 2 run within the layouts' tolerance."""
+    straight = tmp_path / "straight.jsonl"
+    run_pretrain(train_args(sample_data, straight), nproc=4)
+    ckpt = str(tmp_path / "ckpt")
+    first = tmp_path / "first.jsonl"
+    run_pretrain(train_args(sample_data, first) + ["--save", ckpt, "--exit-interval", "2"], nproc=2)
+    resumed = tmp_path / "resumed.jsonl"
+    launch_two_nodes(tmp_path, train_args(sample_data, resumed) + ["--load", ckpt])
+
+    expected, before, after = read_losses(straight), read_losses(first), read_losses(resumed)
+    assert sorted(before) == [1, 2] and sorted(after) == [3, 4]
+    for iteration, loss in {**before, **after}.items():  # TP 2 x DP 1 and TP 2 x DP 2 agree within 2e-5
+        assert loss == pytest.approx(expected[iteration], abs=2e-5), (iteration, loss, expected[iteration])
+
+
 def example_flags(extra_env):
     """TRAIN_FLAGS of examples/multinode/train_flags.sh under extra_env."""
     script = 'source examples/multinode/train_flags.sh && printf "%s\\0" "${TRAIN_FLAGS[@]}"'

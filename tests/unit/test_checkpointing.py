@@ -138,8 +138,8 @@ class FakeEngine:
 
 @pytest.fixture
 def single_rank():
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
+    """The ParallelState of one process (TP = PP = DP = 1)."""
+    yield parallel_state.initialize_model_parallel(1, 1)
     parallel_state.destroy_model_parallel()
 
 
@@ -155,7 +155,7 @@ def test_save_is_atomic_removes_stale_tmp_and_prunes_after_completion(tmp_path, 
     engine, config = FakeEngine(), fake_config(tmp_path, keep=2)
     os.makedirs(tmp_path / ".tmp_iter_0000003")  # left by a crash
     for it in (1, 2, 3):
-        folder = save.save_checkpoint(engine, config, it, it * 8)
+        folder = save.save_checkpoint(engine, config, single_rank, it, it * 8)
         assert verify_checkpoint(folder) is None
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "latest"]
     assert read_latest(str(tmp_path)) == "iter_0000003"
@@ -164,12 +164,12 @@ def test_save_is_atomic_removes_stale_tmp_and_prunes_after_completion(tmp_path, 
 def test_failed_save_leaves_latest_and_previous_checkpoint(tmp_path, single_rank, monkeypatch):
     monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine, config = FakeEngine(), fake_config(tmp_path, keep=1)
-    save.save_checkpoint(engine, config, 2, 16)
+    save.save_checkpoint(engine, config, single_rank, 2, 16)
     before = sorted(os.listdir(tmp_path / "iter_0000002"))
     faults = TestFaults([Fault("save_error", ((4, 4),), phase="save")])
     with pytest.raises(CheckpointError, match=r"--save .*iter_0000004 failed on rank 0 while writing its files "
                                               r"\(OSError: .*No space left.*`latest` still names iter_0000002"):
-        save.save_checkpoint(engine, config, 4, 32, on_written=lambda folder: faults.fire(4, "save"))
+        save.save_checkpoint(engine, config, single_rank, 4, 32, on_written=lambda folder: faults.fire(4, "save"))
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest"]
     assert sorted(os.listdir(tmp_path / "iter_0000002")) == before
     assert verify_checkpoint(str(tmp_path / "iter_0000002")) is None
@@ -198,7 +198,7 @@ def test_checkpoint_bytes():
 def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, single_rank, monkeypatch):
     monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine = FakeEngine(steps=2)
-    folder = save.save_checkpoint(engine, fake_config(tmp_path), 2, 16)
+    folder = save.save_checkpoint(engine, fake_config(tmp_path), single_rank, 2, 16)
     assert sorted(os.listdir(folder)) == ["config.json", "index_tp00_pp000_dp00000.json", "manifest.json",
                                           "meta.json", "model_tp00_pp000.pt", "optimizer_tp00_pp000_dp00000.pt",
                                           "rng_rank00000.pt"]
@@ -319,7 +319,7 @@ def test_weights_load_into_another_pipeline_size_and_another_tp_size(tmp_path, s
     tp2 = write_megatron_checkpoint(str(tmp_path / "tp2"), weights, config, tp=2, pp=1, iteration=4)
     for folder in (pp2, tp2):
         model = BloomModel(config)
-        load.load_model_weights(model, folder, config.num_layers)
+        load.load_model_weights(model, folder, config.num_layers, single_rank)
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensor, weights[name]), (folder, name)
 
@@ -346,13 +346,13 @@ def test_per_parameter_restore_equals_the_saved_state_and_records_the_layers_dim
     from megatron.checkpoint.saved_optimizer import SavedOptimizer
     monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     trained, fresh = FakeEngine(steps=3, module=TPModule), FakeEngine(module=TPModule)
-    folder = save.save_checkpoint(trained, fake_config(tmp_path), 3, 6)
+    folder = save.save_checkpoint(trained, fake_config(tmp_path), single_rank, 3, 6)
     meta = {**read_meta(folder), "data_parallel_size": 1}
     source = SavedOptimizer(folder, meta)
     assert {name: source.partition_dim(name) for name in source.names()} == {
         "up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None}
     assert source.step == 3.0 and not source.has_fp32()
-    load.load_model_weights(fresh.module, folder, 1)
+    load.load_model_weights(fresh.module, folder, 1, single_rank)
     assert optimizer_state.restore_from_parameters(fresh, source, 1, 0, 1, 0) == 4
     optimizer_state.restore_counters(fresh, torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"),
                                                     weights_only=False))
