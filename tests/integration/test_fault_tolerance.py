@@ -167,7 +167,7 @@ def test_sigterm_to_a_worker_saves_at_the_next_boundary_exits_0_and_resumes_exac
 @pytest.mark.slow
 def test_sigint_to_the_whole_job_saves_on_every_rank(tmp_path, sample_data):
     """Ctrl-C (SIGINT to the launcher's process group): the workers save at the next boundary and exit 0; the
-    deepspeed launcher itself exits non-zero after forwarding SIGTERM (its behaviour, see docs/FAULTS.md)."""
+    deepspeed runner itself is killed by the SIGINT (its behaviour, see docs/FAULTS.md)."""
     job = Job(resumable(sample_data, tmp_path, "--exit-signal-handler"), "slow=0.2")
     job.wait_for_iteration(tmp_path / "metrics.jsonl", 2)
     os.killpg(job.proc.pid, signal.SIGINT)
@@ -176,7 +176,9 @@ def test_sigint_to_the_whole_job_saves_on_every_rank(tmp_path, sample_data):
     assert read_latest(str(tmp_path / "ckpt")) == f"iter_{iteration:07d}"
     assert verify_checkpoint(str(tmp_path / "ckpt" / f"iter_{iteration:07d}")) is None
     assert stderr.count("(exit signal)") == 1  # rank 0 logs it; rank 1 stopped at the same boundary
-    assert returncode != 0  # deepspeed's launch.py exits 1 after forwarding the signal, whatever its children did
+    # the `deepspeed` runner has no SIGINT handler on one node: it dies of the KeyboardInterrupt (Python re-raises
+    # SIGINT on exit), whatever its workers did; the workers themselves saved and exited 0
+    assert returncode == -signal.SIGINT
 
 
 # fp32 without ZeRO: our NonFiniteGuard (2 processes, the NaN on rank 1 only); bf16 ZeRO-1: DeepSpeed's check
