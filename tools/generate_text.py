@@ -50,24 +50,22 @@ def read_prompts(args):
 
 
 def setup_tensor_parallel():
-    """(tp_size, tp_rank) under torchrun; (1, 0) otherwise."""
+    """The ParallelState of a TP = world job under torchrun; one process's (TP 1, no group) otherwise."""
+    from megatron.core import parallel_state
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return 1, 0
+        return parallel_state.ParallelState()
     import torch
     import torch.distributed as dist
 
-    from megatron.core import parallel_state
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    parallel_state.initialize_model_parallel(world, 1)
-    return world, dist.get_rank()
+    return parallel_state.initialize_model_parallel(world, 1)
 
 
 def main(argv=None):
     from megatron.checkpoint import convert
-    from megatron.core import parallel_state
     from megatron.inference import InferenceEngine, SamplingParams
     from megatron.inference.loading import device_and_dtype, load_checkpoint_and_tokenizer
 
@@ -83,9 +81,9 @@ def main(argv=None):
         merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
                                                           args.tokenizer_name_or_path)
         device, dtype = device_and_dtype(merged, args.dtype)
-        tp, rank = setup_tensor_parallel()
-        model = convert.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device,
-                                    tp_group=parallel_state.get_tensor_model_parallel_group())
+        state = setup_tensor_parallel()
+        tp, rank = state.tensor_model_parallel_size, state.tp_rank
+        model = convert.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device, tp_group=state.tp_group)
         prompt_ids = [tokenizer.tokenize(p) for p in prompts]
         if any(not ids for ids in prompt_ids):
             raise ValueError("a prompt tokenizes to no tokens; drop empty prompts")
