@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 DEEPSPEED = str(Path(PYTHON).parent / "deepspeed")
 TOKENIZER = ROOT / "examples" / "tokenizer"
-FAULT_LAUNCHER = ROOT / "tests" / "train_with_faults.py"
+TEST_LAUNCHER = ROOT / "tests" / "pretrain_under_test.py"
 
 TINY_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
               "--max-position-embeddings", "32"]
@@ -38,17 +38,14 @@ def _cleanup_shm(port):
     return left
 
 
-def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True, faults=None):
+def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True, faults=None, fp16_on_cpu=False):
     """`deepspeed --num_gpus nproc pretrain_bloom.py args` (plain python for one process). The result's
     `shm_left` lists the /dev/shm buffers the job left behind (removed here).
 
-    faults: a MEGATRON_TEST_FAULT spec (tests/faults.py); the job then runs tests/train_with_faults.py, which is
-    pretrain_bloom.main with those faults as a training callback."""
+    faults (a MEGATRON_TEST_FAULT spec, tests/faults.py) or fp16_on_cpu: the job runs tests/pretrain_under_test.py,
+    pretrain_bloom.main with those faults as a training callback and DeepSpeed's CPU fp16 check answered yes."""
     port = _free_port()
-    script = ROOT / "pretrain_bloom.py"
-    if faults is not None:
-        script = FAULT_LAUNCHER
-        extra_env = {**(extra_env or {}), "MEGATRON_TEST_FAULT": faults}
+    script, extra_env = launcher_for(faults, fp16_on_cpu, extra_env)
     if nproc == 1:
         cmd = [PYTHON, str(script)] + list(args)
         extra_env = {"MASTER_PORT": str(port), **(extra_env or {})}
@@ -63,6 +60,18 @@ def run_pretrain(args, nproc=1, extra_env=None, timeout=600, check=True, faults=
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def launcher_for(faults=None, fp16_on_cpu=False, extra_env=None):
+    """(script, environment additions) for a pretrain run with test faults and/or fp16 on CPU."""
+    if faults is None and not fp16_on_cpu:
+        return ROOT / "pretrain_bloom.py", extra_env
+    extra = dict(extra_env or {})
+    if faults is not None:
+        extra["MEGATRON_TEST_FAULT"] = faults
+    if fp16_on_cpu:
+        extra["MEGATRON_TEST_FP16_ON_CPU"] = "1"
+    return TEST_LAUNCHER, extra
 
 
 def run_tool(script, args, timeout=600, check=True):

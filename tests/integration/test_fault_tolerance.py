@@ -1,6 +1,6 @@
 """Faults during real 2-process runs (deepspeed launcher, CPU, gloo): kill -9 anywhere, a failed save, corrupt
 checkpoints, SIGTERM/SIGINT, NaN losses in bf16/fp32/fp16, one rank raising. Faults are injected through
-MEGATRON_TEST_FAULT, which tests/train_with_faults.py turns into a training callback (tests/faults.py); every
+MEGATRON_TEST_FAULT, which tests/pretrain_under_test.py turns into a training callback (tests/faults.py); every
 relaunch uses the same command line.
 """
 import json
@@ -9,13 +9,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from megatron.checkpoint.format import read_latest, verify_checkpoint
-from tests.launch import DEEPSPEED, FAULT_LAUNCHER, ROOT, TINY_MODEL, TOKENIZER, _cleanup_shm, _free_port, env, \
+from tests.launch import DEEPSPEED, ROOT, TEST_LAUNCHER, TINY_MODEL, TOKENIZER, _cleanup_shm, _free_port, env, \
     read_losses, run_pretrain
 
 ITERS = 12
@@ -103,7 +102,7 @@ class Job:
 
     def __init__(self, argv, faults):
         self.port = _free_port()
-        cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(self.port), str(FAULT_LAUNCHER)]
+        cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(self.port), str(TEST_LAUNCHER)]
         self.proc = subprocess.Popen(cmd + argv, cwd=ROOT, env=env({"MEGATRON_TEST_FAULT": faults}),
                                      stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -117,7 +116,7 @@ class Job:
                     cmdline = child.cmdline()
                 except psutil.NoSuchProcess:
                     continue
-                if f"--local_rank={local_rank}" in cmdline and any("train_with_faults" in c for c in cmdline):
+                if f"--local_rank={local_rank}" in cmdline and any("pretrain_under_test" in c for c in cmdline):
                     return child.pid
             time.sleep(0.1)
         raise AssertionError(f"worker {local_rank} not found")
@@ -213,23 +212,14 @@ def test_nan_skips_the_update_and_stops_after_max_nan_iterations(tmp_path, sampl
     assert verify_checkpoint(str(save / "iter_0000004")) is None and tmp_folders(save) == []
 
 
-# DeepSpeed's CPU accelerator refuses fp16 unless oneDNN reports fp16 support (it does not on every CPU,
-# and fp16 runs fine in torch without it): the run goes through main() with that capability check bypassed.
-FP16_ON_CPU = ("import sys; from deepspeed.accelerator import get_accelerator; "
-               "get_accelerator().is_fp16_supported = lambda: True; "
-               "import pretrain_bloom; from tests.faults import TestFaults; "
-               "pretrain_bloom.main(sys.argv[1:], callbacks=[TestFaults.from_env()])")
-
-
 @pytest.mark.slow
 def test_fp16_nan_is_skipped_by_the_loss_scaler_and_training_continues(tmp_path, sample_data):
     cmd = args(sample_data, tmp_path, "--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", iters=6)
-    proc = subprocess.run([sys.executable, "-c", FP16_ON_CPU, *cmd], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env({"MEGATRON_TEST_FAULT": "nan_at=3", "MASTER_PORT": str(_free_port())}))
+    proc = run_pretrain(cmd, 1, faults="nan_at=3", fp16_on_cpu=True, check=False, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["iteration"]: r for r in all_records(tmp_path / "metrics.jsonl")}
     assert records[3]["skipped_iterations"] == records[2]["skipped_iterations"] + 1
-    assert records[3]["loss_scale"] < records[2]["loss_scale"]  # the dynamic loss scaler backed off
+    assert records[3]["loss_scale"] == records[2]["loss_scale"] / 2  # the dynamic loss scaler backed off
     assert records[3]["nan_iterations"] == 1
     assert all(records[it]["lm_loss"] < 20 for it in (4, 5, 6))  # training went on with finite weights
 

@@ -16,6 +16,11 @@ up to 8e-5 on losses of ~9 over 10 iterations (also for TP 2 x PP 2 -> DP 2 ZeRO
 norms up to 3.5e-4 relative: BF16_LOSS_TOLERANCE 3e-4, BF16_GRAD_NORM_RTOL 1e-3; the test runs 4 iterations past
 the save.
 
+fp16 (one pair, TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 1 ZeRO-1, dynamic loss scaling): as tight as fp32 (losses within
+3e-6), and the loss scaler's state carries over. Onto ZeRO 0 (DeepSpeed's FP16_UnfusedOptimizer) the continuation
+drifts by 6e-4 after one iteration and 2.4e-3 after four; straight runs of that wrapper and ZeRO-1 drift apart at a
+similar rate (8.6e-4 by iteration 6), so that pair is not asserted (see the closing note of issue 15).
+
 A TP size the checkpoint's model cannot be split into is one line, before any process group.
 """
 import json
@@ -99,6 +104,26 @@ def test_bf16_resume_from_zero1_onto_tp2_pp2(bf16_zero1_source, sample_data, tmp
             "TP 2, PP 2, DP 1, ZeRO 0, bf16") in proc.stderr
     assert_continues(straight / "metrics.jsonl", tmp_path / "metrics.jsonl", BF16_LOSS_TOLERANCE,
                      BF16_GRAD_NORM_RTOL, last=14)
+
+
+@pytest.mark.slow
+def test_fp16_resume_from_dp2_onto_tp2_carries_the_loss_scaler(sample_data, tmp_path):
+    """fp16 with dynamic loss scaling, TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 1 ZeRO-1: the fp32 master weights, the
+    moments and the loss scaler's state carry over (tests/pretrain_under_test.py answers DeepSpeed's CPU fp16
+    check). Measured: losses within 3e-6, gradient norms within 1.5e-5 relative, the loss scale equal."""
+    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2", "--exit-interval", "14",
+            "--zero-stage", "1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_pretrain(args(sample_data, straight, *fp16, "--save", str(straight / "ckpt"), "--save-interval", "10"), 2,
+                 fp16_on_cpu=True)
+    proc = run_pretrain(args(sample_data, resumed, *fp16, "--tensor-model-parallel-size", "2", "--load",
+                             str(straight / "ckpt" / "iter_0000010")), 2, fp16_on_cpu=True)
+    assert ("resuming on another layout: the checkpoint was trained on TP 1, PP 1, DP 2, ZeRO 1, fp16, this run is "
+            "TP 2, PP 1, DP 1, ZeRO 1, fp16") in proc.stderr
+    assert_continues(straight / "metrics.jsonl", resumed / "metrics.jsonl", LOSS_TOLERANCE, GRAD_NORM_RTOL, last=14)
+    before, after = records(straight / "metrics.jsonl"), records(resumed / "metrics.jsonl")
+    assert [after[i]["loss_scale"] for i in range(11, 15)] == [before[i]["loss_scale"] for i in range(11, 15)]
+    assert before[14]["loss_scale"] == 4 * before[10]["loss_scale"]  # the scaler doubled twice after the save
 
 
 def test_a_tp_size_that_cannot_hold_the_checkpoint_is_one_line(source, sample_data, tmp_path):

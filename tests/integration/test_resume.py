@@ -16,8 +16,8 @@ iteration 7 moves by 1e-4 (fp32) to 6e-3 (bf16).
 
 fp16 on CPU: DeepSpeed's CPU accelerator refuses fp16 when oneDNN does not report fp16 support
 (torch.ops.mkldnn._is_mkldnn_fp16_supported() is False on CPUs without AVX512-FP16/AMX-FP16, as here), although
-torch runs fp16 on any CPU. The fp16 cells start pretrain_bloom.main() with that capability check answered
-True; everything else is the real run. They start from a loss scale of 1024 that doubles every 2 iterations, so
+torch runs fp16 on any CPU. The fp16 cells run through tests/pretrain_under_test.py, which answers that
+capability check True; everything else is the real run. They start from a loss scale of 1024 that doubles every 2 iterations, so
 that steps are taken (2^32 overflows in ZeRO's fp16 path) and the loss scaler's state changes across the save.
 """
 import json
@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.launch import DEEPSPEED, PYTHON, ROOT, TINY_MODEL, TOKENIZER, _cleanup_shm, _free_port, env, \
-    read_losses, run_pretrain
+    launcher_for, read_losses, run_pretrain
 
 PRECISION_FLAGS = {"fp32": [], "bf16": ["--bf16"],
                    "fp16": ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2"]}
@@ -43,9 +43,6 @@ CELLS = [(precision, pp, zero) for precision in PRECISION_FLAGS for pp, zeros in
 BYTES_PER_PARAMETER = {"fp32": 4 + 8, "bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8}
 FRAMING = 0.011
 COMPARED = ("lm_loss", "lr", "loss_scale", "skipped_iterations", "grad_norm")
-FP16_ON_CPU = ("import sys; sys.path.insert(0, {root!r}); from deepspeed.accelerator import get_accelerator; "
-               "get_accelerator().is_fp16_supported = lambda: True; import pretrain_bloom; "
-               "pretrain_bloom.main(sys.argv[1:])\n")
 
 
 def args(sample_data, out, *extra, iters=20):
@@ -68,13 +65,14 @@ def cell_flags(cell):
     return PRECISION_FLAGS[precision] + ["--pipe-parallel-size", str(pp), "--zero-stage", str(zero)]
 
 
-def launch(script, argv, nproc):
-    """pretrain_bloom (or the fp16 wrapper script) on nproc processes; returns the CompletedProcess."""
+def launch(argv, nproc, fp16_on_cpu=False):
+    """pretrain_bloom (tests/pretrain_under_test.py for fp16) on nproc processes; returns the CompletedProcess."""
     port = _free_port()
+    script, extra = launcher_for(fp16_on_cpu=fp16_on_cpu)
     if nproc == 1:
-        cmd, extra = [PYTHON, str(script)] + argv, {"MASTER_PORT": str(port)}
+        cmd, extra = [PYTHON, str(script)] + argv, {**(extra or {}), "MASTER_PORT": str(port)}
     else:
-        cmd, extra = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(port), str(script)] + argv, None
+        cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(port), str(script)] + argv
     try:
         return subprocess.run(cmd, cwd=ROOT, env=env(extra), capture_output=True, text=True, timeout=300)
     finally:
@@ -86,18 +84,17 @@ def records(metrics_file):
         return {r["iteration"]: r for r in map(json.loads, f) if r["kind"] == "train"}
 
 
-def run_cell(cell, sample_data, work, fp16_script):
+def run_cell(cell, sample_data, work):
     """Straight run (saves at 5 and 8), then the run relaunched from its iteration-5 checkpoint."""
     out = work / cell_id(cell)
     out.mkdir()
-    script = fp16_script if cell[0] == "fp16" else ROOT / "pretrain_bloom.py"
     nproc = cell[1]
     result = {"out": out, "errors": []}
     for leg, extra in (("straight", ["--save", str(out / "straight"), "--save-interval", "5"]),
                        ("resumed", ["--load", str(out / "straight" / "iter_0000005"), "--save",
                                     str(out / "resumed")])):
         (out / leg).mkdir()
-        proc = launch(script, args(sample_data, out / leg, *cell_flags(cell), *extra, iters=8), nproc)
+        proc = launch(args(sample_data, out / leg, *cell_flags(cell), *extra, iters=8), nproc, cell[0] == "fp16")
         result[leg] = proc
         if proc.returncode != 0:
             result["errors"].append(f"{leg} run exited {proc.returncode}:\n{proc.stderr[-6000:]}")
@@ -119,17 +116,15 @@ def selected_cells(session):
 def matrix(request, tmp_path_factory, sample_data):
     """Runs the selected cells (PP 1 cells two at a time, one process each; PP 2 cells one at a time)."""
     work = tmp_path_factory.mktemp("resume_matrix")
-    fp16_script = work / "pretrain_fp16_on_cpu.py"
-    fp16_script.write_text(FP16_ON_CPU.format(root=str(ROOT)))
     cells = selected_cells(request.session)
     single = [c for c in CELLS if c in cells and c[1] == 1]
     double = [c for c in CELLS if c in cells and c[1] == 2]
     results = {}
     with ThreadPoolExecutor(2) as pool:
-        for cell, result in zip(single, pool.map(lambda c: run_cell(c, sample_data, work, fp16_script), single)):
+        for cell, result in zip(single, pool.map(lambda c: run_cell(c, sample_data, work), single)):
             results[cell] = result
     for cell in double:
-        results[cell] = run_cell(cell, sample_data, work, fp16_script)
+        results[cell] = run_cell(cell, sample_data, work)
     return results
 
 
