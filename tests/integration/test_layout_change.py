@@ -19,7 +19,7 @@ the save.
 fp16 (one pair, TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 1 ZeRO-1, dynamic loss scaling): as tight as fp32 (losses within
 3e-6), and the loss scaler's state carries over. Onto ZeRO 0 (DeepSpeed's FP16_UnfusedOptimizer) the continuation
 drifts by 6e-4 after one iteration and 2.4e-3 after four; straight runs of that wrapper and ZeRO-1 drift apart at a
-similar rate (8.6e-4 by iteration 6), so that pair is not asserted (see the closing note of issue 15).
+similar rate (8.6e-4 by iteration 6), so that pair is not asserted here.
 
 A TP size the checkpoint's model cannot be split into is one line, before any process group.
 """
