@@ -11,6 +11,7 @@ per process.
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
@@ -203,6 +204,7 @@ def _unrecognized(parser, unknown):
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
+@functools.lru_cache(maxsize=None)
 def flags_by_json_key():
     """{DeepSpeed JSON key: argparse action} for the flags a top-level JSON key may set: each long spelling
     with underscores (lr, min_lr, micro_batch_size, model_parallel_size, ...) and JSON_ALIASES."""

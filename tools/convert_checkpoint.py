@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint import universal  # noqa: E402
 from megatron.checkpoint.convert import DTYPE_NAMES  # noqa: E402
+from megatron.checkpoint.format import saved_layout_text  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -42,11 +43,8 @@ def main(argv=None):
     except (ValueError, RuntimeError) as err:  # CheckpointError is a RuntimeError
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"converted {reader.folder} (TP {meta['tensor_model_parallel_size']} x PP "
-          f"{meta['pipeline_model_parallel_size']} x DP {meta.get('data_parallel_size') or 'any'}, ZeRO "
-          f"{meta.get('zero_stage') if meta.get('zero_stage') is not None else 'any'}, {meta.get('precision')}) "
-          f"into {out} (TP {tp} x PP {pp}, iteration {reader.iteration}, {DTYPE_NAMES[reader.dtype]} weights, "
-          f"optimizer state of {count} parameters)")
+    print(f"converted {reader.folder} ({saved_layout_text(meta)}) into {out} (TP {tp} x PP {pp}, iteration "
+          f"{reader.iteration}, {DTYPE_NAMES[reader.dtype]} weights, optimizer state of {count} parameters)")
     return 0
 
 

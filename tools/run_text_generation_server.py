@@ -87,8 +87,6 @@ def check_args(args):
 
 def build(args):
     """(engine, tokenizer, settings) for the parsed arguments: the model loaded onto the device, warmed up."""
-    import torch
-
     from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine
     from megatron.inference.server import ServerSettings
@@ -106,8 +104,7 @@ def build(args):
     engine = InferenceEngine(model, max_batch_size=args.max_batch_size, max_seq_len=context,
                              eod_id=None if args.ignore_eos else tokenizer.eod, vocab_limit=tokenizer.vocab_size,
                              cuda_graphs=False if args.no_cuda_graphs else None)
-    with torch.no_grad():
-        engine.warmup()  # CUDA-graph captures of the decode step
+    engine.warmup()  # CUDA-graph captures of the decode step
     name = args.served_model_name or os.path.basename(os.path.normpath(args.load))
     settings = ServerSettings(model_name=name, max_new_tokens=limit, api_key=args.api_key,
                               steps_per_sync=args.steps_per_sync, max_body_bytes=args.max_body_bytes,

@@ -29,7 +29,7 @@ import torch
 
 from megatron.checkpoint.format import (check_shapes, expected_shapes, is_tag_folder, model_config_from_dict,
                                         partition_dim, read_latest, shard_name, tag_for, verify_checkpoint)
-from megatron.checkpoint.io import atomic_folder, write_manifest
+from megatron.checkpoint.io import atomic_folder, fsync_tree, torch_save_synced, write_manifest, write_text_synced
 from megatron.checkpoint.streams import OpenFiles, narrow, owned, span_bytes, window, window_ranges
 from megatron.config import ModelConfig
 from megatron.file_modes import apply_umask
@@ -277,6 +277,9 @@ def stage_names(config, tp, pp, tp_flag="--target-tensor-parallel-size", pp_flag
     """[names of stage 0, names of stage 1, ...] for a TP x PP layout, each in canonical order (ValueError naming
     the flag when the layout does not fit the model). The embedding is in stage 0 only, as
     save.model_shard stores it."""
+    for flag, value in ((tp_flag, tp), (pp_flag, pp)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be at least 1")
     if pp > config.num_layers:
         raise ValueError(f"{pp_flag} {pp} exceeds the {config.num_layers} layers; "
                          f"use at most {config.num_layers}")
@@ -306,11 +309,12 @@ def target_piece(shape, dim, tp_rank, tp):
 
 
 def read_shard_for(reader, names, tp_rank, tp, dtype=None):
-    """Our shard format {"weights", "partition_dims"} of TP rank tp_rank (of tp) for `names`, read from reader."""
+    """Our shard format {"weights", "partition_dims"} of TP rank tp_rank (of tp) for `names`, read from reader;
+    the partition dims are recorded at every TP size, as training's saves record them."""
     shard = {"weights": {}, "partition_dims": {}}
     for name in names:
-        dim = partition_dim(name) if tp > 1 else None
-        rows, cols = target_piece(reader.shapes[name], dim, tp_rank, tp)
+        dim = partition_dim(name)
+        rows, cols = target_piece(reader.shapes[name], dim if tp > 1 else None, tp_rank, tp)
         shard["weights"][name] = reader.read(name, rows, cols, dtype)
         shard["partition_dims"][name] = dim
     return shard
@@ -357,51 +361,70 @@ def has_tokenizer(folder):
 # ---------------------------------------------------------------- our layout
 
 
+def layout_config(run_config, tp, pp):
+    """config.json for a TP x PP layout: run_config (a run's config.json, or {}) with the new parallel sizes."""
+    config = json.loads(json.dumps(run_config or {}, default=str))
+    config.setdefault("model", {})["tensor_model_parallel_size"] = tp
+    parallel = config.setdefault("parallel", {})
+    parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
+    if "data_parallel_size" in parallel:
+        parallel["data_parallel_size"] = 1
+    return config
+
+
+def write_checkpoint_folder(out, iteration, stages, tp, write_rank, run_config, meta, tokenizer_dir=None,
+                            force=False, flag="--output-path"):
+    """Writes one checkpoint folder of our layout atomically, for tools (one process).
+
+    write_rank(folder, tp_rank, stage, names) writes that rank's files (each through io's synced writes) and
+    returns their manifest entries, so the manifest reads nothing back. If the basename of `out` is
+    iter_XXXXXXX, `out` is the checkpoint folder itself; otherwise `out` is a save root holding iter_XXXXXXX/
+    and `latest` (what --load and --save use). Returns the checkpoint folder."""
+    is_tag = is_tag_folder(out)
+    tag = tag_for(iteration)
+    with atomic_folder(out, force, flag) as tmp:
+        folder = tmp if is_tag else os.path.join(tmp, tag)
+        os.makedirs(folder, exist_ok=True)
+        written = {}
+        for p, names in enumerate(stages):
+            for t in range(tp):
+                written.update(write_rank(folder, t, p, names))
+        for name, obj in (("config.json", run_config), ("meta.json", meta)):
+            written[name] = write_text_synced(json.dumps(obj, indent=2, default=str), os.path.join(folder, name))
+        if has_tokenizer(tokenizer_dir):
+            copy_tokenizer(tokenizer_dir, os.path.join(folder, "tokenizer"))
+        apply_umask(tmp)  # the copied tokenizer files keep their source's mode otherwise
+        fsync_tree(folder)
+        write_manifest(folder, iteration, written)
+        if not is_tag:
+            with open(os.path.join(tmp, "latest"), "w") as f:
+                f.write(tag)
+    final = os.path.abspath(out)
+    return final if is_tag else os.path.join(final, tag)
+
+
 def write_megatron_checkpoint(out, weights, config, tp, pp, *, iteration=0, consumed_samples=0, run_config=None,
                               tokenizer_dir=None, precision="fp32", source=None, force=False, dtype=None):
     """Writes our checkpoint layout for TP x PP with weights only ("deepspeed_state": false).
 
     weights: full tensors by canonical name, or a reader (CheckpointReader, HFReader); dtype: the output dtype of
     floating tensors (None keeps theirs). The (TP, PP) shards are built one at a time, each read piece by piece
-    from the reader, so at most one output shard is in memory.
-
-    If the basename of `out` is iter_XXXXXXX, `out` is the checkpoint folder itself; otherwise `out` is a save
-    root holding iter_XXXXXXX/ and `latest` (what --load and --save use). Returns the checkpoint folder.
+    from the reader, so at most one output shard is in memory. `out` as write_checkpoint_folder takes it.
     """
     reader = as_reader(weights)
     stages = stage_names(config, tp, pp)
     check_shapes(reader.shapes, config, "the weights to write")
-    is_tag = is_tag_folder(out)
-    tag = tag_for(iteration)
-    model_section = dataclasses.asdict(dataclasses.replace(config, tensor_model_parallel_size=tp))
-    run_config = json.loads(json.dumps(run_config or {}, default=str))
-    run_config["model"] = {**run_config.get("model", {}), **model_section}
-    parallel = run_config.setdefault("parallel", {})
-    parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp)
+    run_config = layout_config(run_config, tp, pp)
+    run_config["model"].update(dataclasses.asdict(dataclasses.replace(config, tensor_model_parallel_size=tp)))
     meta = {"iteration": iteration, "consumed_samples": consumed_samples, "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp, "data_parallel_size": None, "zero_stage": None,
             "precision": precision, "deepspeed_state": False, "converted_from": source}
-    with atomic_folder(out, force) as tmp:
-        folder = tmp if is_tag else os.path.join(tmp, tag)
-        os.makedirs(folder, exist_ok=True)
-        for p in range(pp):
-            for t in range(tp):
-                shard = read_shard_for(reader, stages[p], t, tp, dtype)
-                torch.save(shard, os.path.join(folder, shard_name(t, p)))
-                del shard
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(run_config, f, indent=2, default=str)
-        with open(os.path.join(folder, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        if has_tokenizer(tokenizer_dir):
-            copy_tokenizer(tokenizer_dir, os.path.join(folder, "tokenizer"))
-        write_manifest(folder, iteration)
-        if not is_tag:
-            with open(os.path.join(tmp, "latest"), "w") as f:
-                f.write(tag)
-        apply_umask(tmp)  # the copied tokenizer files keep their source's mode otherwise
-    final = os.path.abspath(out)
-    return final if is_tag else os.path.join(final, tag)
+
+    def write_rank(folder, t, p, names):
+        name = shard_name(t, p)
+        return {name: torch_save_synced(read_shard_for(reader, names, t, tp, dtype), os.path.join(folder, name))}
+
+    return write_checkpoint_folder(out, iteration, stages, tp, write_rank, run_config, meta, tokenizer_dir, force)
 
 
 def build_model(merged, dtype=None, tp=1, tp_rank=0, device="cpu", attention_impl="torch", tp_group=None):
@@ -412,9 +435,9 @@ def build_model(merged, dtype=None, tp=1, tp_rank=0, device="cpu", attention_imp
     config = dataclasses.replace(merged.config, tensor_model_parallel_size=tp, attention_impl=attention_impl,
                                  hidden_dropout=0.0, attention_dropout=0.0)
     weights = merged.weights
-    if tp > 1:
-        weights = split_weights(weights, merged.config, tp, 1, tp_flag="torchrun --nproc_per_node")[
-            (tp_rank, 0)]["weights"]
+    if tp > 1:  # this rank's slices only
+        names = stage_names(merged.config, tp, 1, tp_flag="torchrun --nproc_per_node")[0]
+        weights = read_shard_for(as_reader(weights), names, tp_rank, tp)["weights"]
     dtype = dtype or merged.dtype
     model = BloomModel(config, parallel_output=False, tp_group=tp_group)
     model.load_state_dict(cast_weights(weights, dtype), strict=True)

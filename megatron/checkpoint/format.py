@@ -204,6 +204,13 @@ def converted(meta):
     return meta.get("optimizer_format") == OPTIMIZER_FORMAT_PARAMETERS
 
 
+def has_parameter_index(folder, meta):
+    """Whether a checkpoint folder holds its optimizer state with the per-parameter index files
+    (saved_optimizer.py), what resuming on another layout and tools/convert_checkpoint.py read."""
+    return bool(meta.get("deepspeed_state") and meta.get("engine_state_version") and
+                os.path.isfile(os.path.join(folder, index_name(0, 0, 0))))
+
+
 def saved_layout_text(meta):
     """The layout a checkpoint was written on, from its meta.json ("DP any, ZeRO any" for a converted one)."""
     if converted(meta):

@@ -111,23 +111,22 @@ def write_manifest(folder, iteration, known=None):
 # ---------------------------------------------------------------- atomic output folders (conversions)
 
 
-def check_output_path(out, force, inputs=()):
-    """RuntimeError when --output-path exists (without --force) or would overwrite an input."""
+def check_output_path(out, force, inputs=(), flag="--output-path"):
+    """RuntimeError when the output (the tool's flag) exists (without --force) or would overwrite an input."""
     out_abs = os.path.realpath(out)
     for src in inputs:
         src_abs = os.path.realpath(src)
         if out_abs == src_abs or src_abs.startswith(out_abs + os.sep):
-            raise RuntimeError(f"--output-path {out} holds the input {src}; replacing it would delete the input, "
+            raise RuntimeError(f"{flag} {out} holds the input {src}; replacing it would delete the input, "
                                "choose another folder")
     if os.path.lexists(out) and not force:
-        raise RuntimeError(f"--output-path {out} already exists; pass --force to replace it or choose another "
-                           "folder")
+        raise RuntimeError(f"{flag} {out} already exists; pass --force to replace it or choose another folder")
 
 
 @contextlib.contextmanager
-def atomic_folder(out, force):
+def atomic_folder(out, force, flag="--output-path"):
     """Yields a temporary sibling folder; on success it replaces `out` (removed first with force). An OSError
-    while writing (a full disk, no permission) becomes a RuntimeError naming --output-path."""
+    while writing (a full disk, no permission) becomes a RuntimeError naming the tool's output flag."""
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
@@ -138,14 +137,14 @@ def atomic_folder(out, force):
         yield tmp
         if os.path.lexists(out):
             if not force:
-                raise RuntimeError(f"--output-path {out} appeared while writing; pass --force to replace it")
+                raise RuntimeError(f"{flag} {out} appeared while writing; pass --force to replace it")
             if os.path.isdir(out) and not os.path.islink(out):
                 shutil.rmtree(out)
             else:
                 os.remove(out)
         os.replace(tmp, out)
     except OSError as err:
-        raise RuntimeError(f"--output-path {out}: writing failed ({err}); check the free space and permissions "
-                           "there or choose another folder") from err
+        raise RuntimeError(f"{flag} {out}: writing failed ({err}); check the free space and permissions there or "
+                           "choose another folder") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint import optimizer_state
-from megatron.checkpoint.format import (CheckpointError, converted, find_checkpoint, index_name, layout_text,
-                                        optimizer_name, read_meta, read_saved_config, rng_name, saved_layout_text,
-                                        shard_name)
+from megatron.checkpoint.format import (CheckpointError, converted, find_checkpoint, has_parameter_index,
+                                        layout_text, optimizer_name, read_meta, read_saved_config, rng_name,
+                                        saved_layout_text, shard_name)
 from megatron.checkpoint.saved_optimizer import SavedOptimizer, target_slice
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -69,13 +69,14 @@ def choose_checkpoint(root, strict=False):
     return answer[0]
 
 
-def _read_engine_state(folder, tp_rank, pp_rank, dp_rank):
+def _read_engine_state(folder, tp_rank, pp_rank, dp_rank, mmap=False):
+    """A rank's saved engine state (optimizer_state.collect's dict); mmap: its tensors mapped, not read."""
     path = os.path.join(folder, optimizer_name(tp_rank, pp_rank, dp_rank))
     if not os.path.isfile(path):
         raise CheckpointError(f"--load {folder}: {path} is missing although meta.json records the optimizer "
                               "state; the checkpoint is incomplete (load an older one, or pass --no-load-optim "
                               "to resume from the weights alone)")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def load_engine_state(engine, folder, state, load_optimizer=True):
@@ -165,7 +166,7 @@ def load_checkpoint(engine, config, state):
                    meta.get("zero_stage", config.training.zero_stage) == config.training.zero_stage and
                    meta.get("precision", config.precision.name) == config.precision.name)
     layout_change = not ckpt.finetune and not same_layout and not ckpt.no_load_optim and \
-        _has_parameter_index(folder, meta, config)
+        meta.get("precision") == config.precision.name and has_parameter_index(folder, meta)
     if layout_change:
         load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
         _restore_on_new_layout(engine, folder, meta, config, state)
@@ -197,14 +198,6 @@ def load_checkpoint(engine, config, state):
     return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
 
 
-def _has_parameter_index(folder, meta, config):
-    """True when the checkpoint can resume on this run's layout with its optimizer state: it holds the engine
-    state with per-parameter index files (saved_optimizer) and was trained in the same precision."""
-    return bool(meta.get("deepspeed_state") and meta.get("engine_state_version") and
-                meta.get("precision") == config.precision.name and
-                os.path.isfile(os.path.join(folder, index_name(0, 0, 0))))
-
-
 def _restore_on_new_layout(engine, folder, meta, config, state):
     """The optimizer state, step count, LR schedule position and step counters of a checkpoint saved on another
     layout (TP, PP, DP, ZeRO stage), per parameter through its index files. The module holds the weights."""
@@ -222,7 +215,7 @@ def _restore_on_new_layout(engine, folder, meta, config, state):
                                                 state.tensor_model_parallel_size, state.tp_rank)
     except ValueError as err:
         raise CheckpointError(f"--load {folder}: {err}") from None
-    saved = _read_engine_state(folder, 0, 0, 0)
+    saved = _read_engine_state(folder, 0, 0, 0, mmap=True)  # for the counters only: nothing read but them
     optimizer_state.restore_counters(engine, saved)
     optimizer_state.restore_loss_scale(engine, saved)
     _warn_once("resuming on another layout: the checkpoint was trained on %s, this run is %s (weights, optimizer "

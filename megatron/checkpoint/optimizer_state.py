@@ -54,16 +54,16 @@ def _zero_optimizer(optimizer):
     return isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
 
 
-def _compact(obj):
+def compact(obj):
     """obj with every tensor that views a larger storage copied out (torch.save writes a view's whole storage)."""
     if torch.is_tensor(obj):
         if obj.untyped_storage().nbytes() <= obj.numel() * obj.element_size():
             return obj
         return obj.detach().cpu() if obj.device.type != "cpu" else obj.detach().clone()  # no device memory
     if isinstance(obj, dict) and type(obj).__name__ in ("dict", "OrderedDict"):
-        return type(obj)((k, _compact(v)) for k, v in obj.items())
+        return type(obj)((k, compact(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):
-        return type(obj)(_compact(v) for v in obj)
+        return type(obj)(compact(v) for v in obj)
     return obj
 
 
@@ -90,7 +90,7 @@ def collect(engine, precision, dp_rank):
         state.pop(dropped, None)
     tied_removed = tied.drop_copies(engine, state)
     scheduler = getattr(engine, "lr_scheduler", None)
-    return {"optimizer": _compact(state), "optimizer_class": type(optimizer).__name__,
+    return {"optimizer": compact(state), "optimizer_class": type(optimizer).__name__,
             "fp32_master_from_weights": dropped, "tied_removed": tied_removed,
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,

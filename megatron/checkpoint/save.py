@@ -28,13 +28,10 @@ from megatron.checkpoint.format import (TMP_PREFIX, CheckpointError, index_name,
 from megatron.checkpoint.io import (fsync_dir, fsync_tree, torch_save_synced, write_json_atomic, write_manifest,
                                     write_text_atomic, write_text_synced)
 from megatron.checkpoint.saved_optimizer import index_text
+from megatron.core.parallel_state import comm_device
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
-
-
-def _comm_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _agree_on_failure(error, state):
@@ -42,7 +39,7 @@ def _agree_on_failure(error, state):
     if not dist.is_initialized():
         return None if error is None else state.rank
     flag = torch.tensor([state.rank if error is not None else state.world_size], dtype=torch.int64,
-                        device=_comm_device())
+                        device=comm_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     failed = int(flag.item())
     return None if failed == state.world_size else failed

@@ -86,9 +86,10 @@ class SavedOptimizer:
     def names(self):
         return sorted(self.entries)
 
-    def has_fp32(self):
-        return any(piece["fp32"] is not None for tps in self.locations.values() for places in tps.values()
-                   for _, piece in places)
+    def has_fp32(self, name=None):
+        """Whether fp32 master weights are saved (for parameter `name`, or for any)."""
+        locations = self.locations.values() if name is None else [self.locations[name]]
+        return any(piece["fp32"] is not None for tps in locations for places in tps.values() for _, piece in places)
 
     def _file(self, name):
         if name not in self._files:

@@ -10,6 +10,8 @@ without ZeRO), or per-parameter fp32 copies (FP16_UnfusedOptimizer).
 import torch
 import torch.distributed as dist
 
+from megatron.core.parallel_state import comm_device
+
 
 def _tied_weights(engine):
     """[(name, param, comm)] for the pipeline's tied weights on this rank (DeepSpeed's PipelineModule.tied_comms);
@@ -174,7 +176,7 @@ def sync_copies(engine):
     """Sends the first stage's optimizer state of each tied weight to the stages holding copies."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     optimizer = engine.optimizer
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = comm_device()
     tied = _tied_weights(engine) if _kind(optimizer) else []
     if tied and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
         # load_state_dict re-created the fragment mappings without their views of the Adam moments, which

@@ -27,20 +27,18 @@ always the per-parameter one. The RNG states are not carried (they belong to the
 restarts them). Memory: the weights are read a window at a time from the mapped shards, the optimizer state one
 parameter at a time from the mapped optimizer files; the most held is one output optimizer file.
 """
-import json
 import os
-import shutil
 
 import torch
 
-from megatron.checkpoint.convert import CheckpointReader, read_shard_for, stage_names
-from megatron.checkpoint.format import (OPTIMIZER_FORMAT_PARAMETERS, CheckpointError, index_name, is_tag_folder,
-                                        optimizer_name, partition_dim, read_meta, shard_name, tag_for,
+from megatron.checkpoint.convert import (CheckpointReader, layout_config, read_shard_for, stage_names,
+                                         write_checkpoint_folder)
+from megatron.checkpoint.format import (OPTIMIZER_FORMAT_PARAMETERS, CheckpointError, has_parameter_index,
+                                        index_name, optimizer_name, partition_dim, read_meta, shard_name,
                                         verify_checkpoint)
-from megatron.checkpoint.io import atomic_folder, fsync_tree, torch_save_synced, write_manifest, write_text_synced
-from megatron.checkpoint.optimizer_state import SCALER_FIELDS
+from megatron.checkpoint.io import check_output_path, torch_save_synced, write_text_synced
+from megatron.checkpoint.optimizer_state import SCALER_FIELDS, compact
 from megatron.checkpoint.saved_optimizer import KEYS, SavedOptimizer, index_text, target_slice
-from megatron.file_modes import apply_umask
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")  # optimizer_state.restore_counters
 SCALER_KEYS = ("loss_scaler",) + SCALER_FIELDS  # what optimizer_state.restore_loss_scale reads
@@ -61,17 +59,6 @@ def engine_counters(folder):
     return {key: saved[key] for key in COUNTERS}, scaler
 
 
-def _owned(tensor):
-    """tensor, copied out where it views a larger storage (torch.save writes a view's whole storage)."""
-    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
-        return tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
-
-
-def _has_fp32(source, name):
-    return all(piece["fp32"] is not None for places in source.locations[name].values() for _, piece in places)
-
-
 def optimizer_file(source, names, tp, tp_rank, counters, scaler, flag="--load"):
     """(the optimizer file's dict, its index's JSON) holding TP rank tp_rank's slice (of tp) of the state of
     `names` (canonical names of one stage), read one parameter at a time from source (a SavedOptimizer)."""
@@ -84,8 +71,8 @@ def optimizer_file(source, names, tp, tp_rank, counters, scaler, flag="--load"):
                                   "checkpoint is not one of this model (load another one)")
         dim = source.partition_dim(name)
         dim = partition_dim(name) if dim is None else dim  # indexes of TP-1 runs may record no dim
-        keys = (("fp32",) if _has_fp32(source, name) else ()) + KEYS
-        entry = {key: _owned(target_slice(source.full(name, key, dim), dim, tp, tp_rank)) for key in keys}
+        keys = (("fp32",) if source.has_fp32(name) else ()) + KEYS
+        entry = {key: compact(target_slice(source.full(name, key, dim), dim, tp, tp_rank)) for key in keys}
         params[name] = entry
         index[name] = {"shape": list(entry[KEYS[0]].shape), "partition_dim": dim, "pieces": [{
             "state": ["params", name], "fp32": ["params", name, "fp32"] if "fp32" in entry else None,
@@ -94,46 +81,13 @@ def optimizer_file(source, names, tp, tp_rank, counters, scaler, flag="--load"):
     return saved, index_text(source.step, index)
 
 
-def check_layout(config, tp, pp):
-    """The canonical names of each stage of a TP x PP layout; ValueError naming the flag when the model does not
-    fit it."""
-    for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp)):
-        if value < 1:
-            raise ValueError(f"{flag} {value} must be at least 1")
-    return stage_names(config, tp, pp)
-
-
-def check_output(dst, src, force):
-    """CheckpointError when --save exists (without force) or would replace the source."""
-    out = os.path.realpath(dst)
-    source = os.path.realpath(src)
-    if out == source or source.startswith(out + os.sep):
-        raise CheckpointError(f"--save {dst} holds the checkpoint to convert ({src}); replacing it would delete "
-                              "it, choose another folder")
-    if os.path.lexists(dst) and not force:
-        raise CheckpointError(f"--save {dst} already exists; pass --force to replace it or choose another folder")
-
-
 def check_source(folder, meta, flag="--load"):
     """CheckpointError unless the folder holds the optimizer state with per-parameter index files."""
-    if not (meta.get("deepspeed_state") and meta.get("engine_state_version") and
-            os.path.isfile(os.path.join(folder, index_name(0, 0, 0)))):
+    if not has_parameter_index(folder, meta):
         raise CheckpointError(f"{flag} {folder}: the checkpoint holds no per-parameter optimizer state (saved with "
                               f"--no-save-optim, by a conversion of the weights alone, or before {index_name(0, 0, 0)}"
                               " existed); reshard its weights with tools/merge_mp_partitions.py --output-format "
                               "megatron instead")
-
-
-def output_config(run_config, tp, pp):
-    """config.json for the new layout: the source's, with the new TP and PP sizes."""
-    config = json.loads(json.dumps(run_config, default=str))
-    config.setdefault("model", {})["tensor_model_parallel_size"] = tp
-    parallel = config.setdefault("parallel", {})
-    parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    for key in ("world_size", "data_parallel_size"):
-        if key in parallel:
-            parallel[key] = tp * pp if key == "world_size" else 1
-    return config
 
 
 def convert_checkpoint(src, dst, tp, pp, force=False, verify=True):
@@ -141,13 +95,13 @@ def convert_checkpoint(src, dst, tp, pp, force=False, verify=True):
     state per parameter into dst (a save root, or an iter_XXXXXXX folder itself), atomically. Returns
     (the source's CheckpointReader, closed; its meta; the output checkpoint folder; how many parameters' state
     was carried). Raises CheckpointError / RuntimeError / ValueError with one line naming the flag."""
-    check_output(dst, src, force)
+    check_output_path(dst, force, [src], flag="--save")
     reader = CheckpointReader(src, flag="--load", verify=False)
     try:
         folder = reader.folder
         meta = read_meta(folder)
         check_source(folder, meta)
-        stages = check_layout(reader.config, tp, pp)  # before the checksums: a wrong flag fails at once
+        stages = stage_names(reader.config, tp, pp)  # before the checksums: a wrong flag fails at once
         reason = verify_checkpoint(folder) if verify else None
         if reason:
             raise CheckpointError(f"--load {src}: checkpoint is incomplete or corrupt: {reason}")
@@ -162,51 +116,18 @@ def convert_checkpoint(src, dst, tp, pp, force=False, verify=True):
                     "data_parallel_size": None, "zero_stage": None, "precision": meta.get("precision"),
                     "deepspeed_state": True, "engine_state_version": meta["engine_state_version"],
                     "optimizer_format": OPTIMIZER_FORMAT_PARAMETERS, "converted_from": os.path.abspath(folder)}
-        is_tag = is_tag_folder(dst)
-        tag = tag_for(reader.iteration)
-        try:
-            with atomic_folder(dst, force) as tmp:
-                out = tmp if is_tag else os.path.join(tmp, tag)
-                os.makedirs(out, exist_ok=True)
-                written = {}
-                for p, names in enumerate(stages):
-                    for t in range(tp):
-                        written.update(_write_rank(out, reader, source, names, tp, t, p, counters, scaler))
-                _write_text(out, "config.json", json.dumps(output_config(reader.run_config, tp, pp), indent=2,
-                                                           default=str), written)
-                _write_text(out, "meta.json", json.dumps(out_meta, indent=2), written)
-                if reader.tokenizer_dir is not None:
-                    shutil.copytree(reader.tokenizer_dir, os.path.join(out, "tokenizer"))
-                apply_umask(tmp)  # the copied tokenizer files keep their source's mode otherwise
-                fsync_tree(out)
-                write_manifest(out, reader.iteration, written)
-                if not is_tag:
-                    with open(os.path.join(tmp, "latest"), "w") as f:
-                        f.write(tag)
-        except RuntimeError as err:  # atomic_folder names the conversions' --output-path flag; ours is --save
-            message = str(err)
-            if message.startswith("--output-path "):
-                raise CheckpointError("--save " + message[len("--output-path "):]) from None
-            raise
+
+        def write_rank(out, t, p, names):  # the model shard, optimizer file and index of (TP rank t, stage p)
+            written = {shard_name(t, p): torch_save_synced(read_shard_for(reader, names, t, tp),
+                                                           os.path.join(out, shard_name(t, p)))}
+            saved, index = optimizer_file(source, names, tp, t, counters, scaler)
+            written[optimizer_name(t, p, 0)] = torch_save_synced(saved, os.path.join(out, optimizer_name(t, p, 0)))
+            written[index_name(t, p, 0)] = write_text_synced(index, os.path.join(out, index_name(t, p, 0)))
+            return written
+
+        out = write_checkpoint_folder(dst, reader.iteration, stages, tp, write_rank,
+                                      layout_config(reader.run_config, tp, pp), out_meta, reader.tokenizer_dir,
+                                      force, flag="--save")
     finally:
         reader.close()
-    final = os.path.abspath(dst)
-    return reader, meta, (final if is_tag else os.path.join(final, tag)), len(source.names())
-
-
-def _write_rank(out, reader, source, names, tp, t, p, counters, scaler):
-    """The model shard, optimizer file and index of (TP rank t, stage p); returns their manifest entries."""
-    written = {}
-    shard = read_shard_for(reader, names, t, tp)
-    shard["partition_dims"] = {name: partition_dim(name) for name in names}  # recorded at every TP size
-    written[shard_name(t, p)] = torch_save_synced(shard, os.path.join(out, shard_name(t, p)))
-    del shard
-    saved, index = optimizer_file(source, names, tp, t, counters, scaler)
-    written[optimizer_name(t, p, 0)] = torch_save_synced(saved, os.path.join(out, optimizer_name(t, p, 0)))
-    del saved
-    written[index_name(t, p, 0)] = write_text_synced(index, os.path.join(out, index_name(t, p, 0)))
-    return written
-
-
-def _write_text(out, name, text, written):
-    written[name] = write_text_synced(text, os.path.join(out, name))
+    return reader, meta, out, len(source.names())

@@ -23,7 +23,15 @@ arguments, not on whether or in what order initialize_model_parallel ran.
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
+
+
+def comm_device():
+    """The device this process's collectives run on: its current CUDA device (NCCL), else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def validate_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size):

@@ -9,13 +9,6 @@ from megatron.optimizer import AnnealingLR, build_optimizer, get_param_groups
 logger = logging.getLogger("megatron.training")
 
 
-def device():
-    """This process's device: its CUDA device when there is one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def build_model(config, state):
     """BloomModel for PP = 1, a PipelineModule over DeepSpeed's topology for PP > 1."""
     if state.pipeline_model_parallel_size == 1:

@@ -6,7 +6,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megatron.training.engine import device
+from megatron.core.parallel_state import comm_device
 
 
 class FatalTrainingError(RuntimeError):
@@ -19,7 +19,7 @@ class NonFiniteError(FatalTrainingError):
 
 def any_rank_over(value, limit):
     """True on every rank when value > limit on any rank (one all-reduce over the world)."""
-    flag = torch.tensor([1.0 if value > limit else 0.0], device=device())
+    flag = torch.tensor([1.0 if value > limit else 0.0], device=comm_device())
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() > 0
@@ -60,7 +60,7 @@ class NonFiniteGuard:
         self.engine, self.clip_grad = engine, clip_grad
         self.last_grad_norm = None
         self.active = isinstance(engine.optimizer, torch.optim.Optimizer)
-        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device())
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=comm_device())
         if not self.active:
             return
         from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -90,7 +90,7 @@ class NonFiniteGuard:
 
     def _measure(self):
         from deepspeed.runtime.utils import get_global_norm_of_tensors
-        grads = [p.grad for p in self._counted if p.grad is not None] or [torch.zeros(1, device=device())]
+        grads = [p.grad for p in self._counted if p.grad is not None] or [torch.zeros(1, device=comm_device())]
         value = float(get_global_norm_of_tensors(grads, mpu=self._mpu))
         return value if math.isfinite(value) and value >= 0 else float("inf")  # DeepSpeed masks inf/nan as -1
 
@@ -109,7 +109,7 @@ class NonFiniteGuard:
         self._norm = None
         self.last_grad_norm = norm
         bad = (self._loss_bad | (not math.isfinite(norm))).to(torch.float32).reshape(1)
-        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device())
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=comm_device())
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         optimizer = self.engine.optimizer

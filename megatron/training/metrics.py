@@ -7,6 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.core.parallel_state import comm_device
+
 
 def model_flops_per_iteration(batch_size, seq_length, num_layers, hidden_size, vocab_size,
                               activation_recompute=False):
@@ -49,7 +51,7 @@ def peak_memory_gib():
     if not torch.cuda.is_available():
         return {}
     peaks = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
-                         dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()))
+                         dtype=torch.float64, device=comm_device())
     if dist.is_initialized():
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     allocated, reserved = (peaks / 2 ** 30).tolist()

@@ -17,7 +17,7 @@ from megatron.checkpoint import save as checkpoint_save
 from megatron.checkpoint.format import tag_for
 from megatron.checkpoint.load import ResumeState, set_rng_state
 from megatron.training.callbacks import CallbackList
-from megatron.training.engine import device
+from megatron.core.parallel_state import comm_device
 from megatron.training.guards import ExitSignal, NonFiniteError, NonFiniteGuard, any_rank_over
 from megatron.training.metrics import (MetricsWriter, format_log_line, loss_scale, measure_matmul_tflops,
                                        model_flops_per_iteration, peak_memory_gib)
@@ -51,7 +51,7 @@ def dp_mean(value, dp_group):
     """The mean of a host float over the data-parallel group (the value itself without one)."""
     if dp_group is None:
         return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device())
+    tensor = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(tensor, group=dp_group)
     return tensor.item() / dist.get_world_size(dp_group)
 
@@ -269,7 +269,7 @@ class Trainer:
     def _peak_tflops(self):
         if self.config.logging.peak_tflops:
             return self.config.logging.peak_tflops
-        return measure_matmul_tflops(device()) if torch.cuda.is_available() else None
+        return measure_matmul_tflops(comm_device()) if torch.cuda.is_available() else None
 
     def _evaluate(self):
         if self.valid_ds is None:

@@ -249,7 +249,7 @@ def test_cut_and_paste_zeros_are_inverse():
     assert kept.tolist() == [4.0, 5.0, 8.0, 9.0, 10.0, 11.0]
     assert tied._paste_zeros(kept, spans, 12).tolist() == [0, 0, 0, 4, 5, 0, 0, 8, 9, 10, 11, 0]
     view = torch.zeros(100)[:10]
-    compact = optimizer_state._compact({"a": [view], "b": (torch.ones(3),)})
+    compact = optimizer_state.compact({"a": [view], "b": (torch.ones(3),)})
     assert compact["a"][0].untyped_storage().nbytes() == 40 and isinstance(compact["b"], tuple)
 
 
