@@ -103,24 +103,41 @@ def cross_entropy_ops(logits: torch.Tensor, target: torch.Tensor):
     return cross_entropy_kernel(logits, target) or TorchCrossEntropyOps
 
 
-class _FusedCrossEntropy(torch.autograd.Function):
-    """Whole vocabulary on one rank: logits (rows, V) contiguous, target (rows,) int64 -> loss (rows,) fp32."""
+class _CrossEntropy(torch.autograd.Function):
+    """logits (rows, V_local) contiguous: the slice [vocab_start, vocab_start + V_local) of total_vocab; target
+    (rows,) int64 global ids -> loss (rows,) fp32. combine(lse_r, predicted_r) -> (lse, predicted) joins the
+    slices' partial results (the caller's communication; None for the whole vocabulary on one rank)."""
 
     @staticmethod
-    def forward(ctx, logits, target, inplace_backward, module):
-        total_vocab = logits.shape[1]
-        lse, predicted = module.cross_entropy_forward(logits, target, 0, total_vocab, IGNORE_INDEX)
+    def forward(ctx, logits, target, vocab_start, total_vocab, combine, inplace_backward, ops):
+        lse, predicted = ops.cross_entropy_forward(logits, target, vocab_start, total_vocab, IGNORE_INDEX)
+        if combine is not None:
+            lse, predicted = combine(lse, predicted)
         loss = (lse - predicted).float().masked_fill_(target == IGNORE_INDEX, 0.0)
         ctx.save_for_backward(logits, target, lse)
-        ctx.inplace_backward, ctx.module = inplace_backward, module
+        ctx.slice = (vocab_start, total_vocab)
+        ctx.inplace_backward, ctx.ops = inplace_backward, ops
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, target, lse = ctx.saved_tensors
-        grad = ctx.module.cross_entropy_backward(grad_loss.float().contiguous(), logits, target, lse, 0,
-                                                 logits.shape[1], IGNORE_INDEX, ctx.inplace_backward)
-        return grad, None, None, None
+        grad = ctx.ops.cross_entropy_backward(grad_loss.float().contiguous(), logits, target, lse, *ctx.slice,
+                                              IGNORE_INDEX, ctx.inplace_backward)
+        return grad, None, None, None, None, None, None
+
+
+def sliced_cross_entropy(logits, target, vocab_start=0, total_vocab=None, combine=None, inplace_backward=False,
+                         ops=None):
+    """Per-token fp32 loss (target's shape) of logits (..., V_local), one slice of the vocabulary, through the
+    local ops (`ops`, or the kernel / torch by cross_entropy_ops); combine as in _CrossEntropy."""
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab).contiguous()
+    flat_target = target.reshape(-1).long().contiguous()
+    ops = ops or cross_entropy_ops(flat_logits, flat_target)
+    loss = _CrossEntropy.apply(flat_logits, flat_target, vocab_start, total_vocab or vocab, combine,
+                               inplace_backward, ops)
+    return loss.view(target.shape)
 
 
 def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
@@ -134,7 +151,4 @@ def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, inplace_back
     module = cross_entropy_kernel(logits, target)
     if module is None:
         return cross_entropy_reference(logits, target)
-    vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab).contiguous()
-    flat_target = target.reshape(-1).long().contiguous()
-    return _FusedCrossEntropy.apply(flat_logits, flat_target, inplace_backward, module).view(target.shape)
+    return sliced_cross_entropy(logits, target, inplace_backward=inplace_backward, ops=module)

@@ -15,38 +15,24 @@ on each rank's own slice by the local backward op. Math is in fp32 whatever the 
 is fp64 when the torch ops serve, which keeps exp(z - lse) exact for large logits); the loss is fp32. A target of
 -100 (torch's ignore_index) gives loss 0 and no gradient.
 """
-import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.mappings import get_group_size_and_rank
-from megatron.fused_kernels.cross_entropy import IGNORE_INDEX, cross_entropy_ops, fused_cross_entropy
+from megatron.fused_kernels.cross_entropy import fused_cross_entropy, sliced_cross_entropy
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """logits (rows, V/p) contiguous, target (rows,) int64 global ids -> loss (rows,) fp32."""
+def _combine_over(group):
+    """The slices' (lse_r, predicted_r) -> the whole vocabulary's (lse, z_t): three all-reduces over group."""
 
-    @staticmethod
-    def forward(ctx, logits, target, group, tp_size, tp_rank, inplace_backward, ops):
-        vocab_start, total_vocab = tp_rank * logits.shape[1], tp_size * logits.shape[1]
-        lse, predicted = ops.cross_entropy_forward(logits, target, vocab_start, total_vocab, IGNORE_INDEX)
+    def combine(lse, predicted):
         lse_max = lse.clone()
         dist.all_reduce(lse_max, op=dist.ReduceOp.MAX, group=group)
         sum_exp = (lse - lse_max).exp_()
         dist.all_reduce(sum_exp, group=group)
-        lse = sum_exp.log_().add_(lse_max)
         dist.all_reduce(predicted, group=group)
-        loss = (lse - predicted).float().masked_fill_(target == IGNORE_INDEX, 0.0)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.slice = (vocab_start, total_vocab)
-        ctx.inplace_backward, ctx.ops = inplace_backward, ops
-        return loss
+        return sum_exp.log_().add_(lse_max), predicted
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        logits, target, lse = ctx.saved_tensors
-        grad = ctx.ops.cross_entropy_backward(grad_loss.float().contiguous(), logits, target, lse, *ctx.slice,
-                                              IGNORE_INDEX, ctx.inplace_backward)
-        return grad, None, None, None, None, None, None
+    return combine
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, inplace_backward=False):
@@ -60,10 +46,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, inpl
     tp_size, tp_rank = get_group_size_and_rank(group)
     if tp_size == 1:
         return fused_cross_entropy(vocab_parallel_logits, target, inplace_backward)
-    ops = cross_entropy_ops(vocab_parallel_logits, target)
     vocab = vocab_parallel_logits.shape[-1]
-    flat_logits = vocab_parallel_logits.reshape(-1, vocab).contiguous()
-    flat_target = target.reshape(-1).long().contiguous()
-    loss = _VocabParallelCrossEntropy.apply(flat_logits, flat_target, group, tp_size, tp_rank, inplace_backward,
-                                            ops)
-    return loss.view(target.shape)
+    return sliced_cross_entropy(vocab_parallel_logits, target, tp_rank * vocab, tp_size * vocab,
+                                _combine_over(group), inplace_backward)
