@@ -26,6 +26,7 @@ import os
 import torch
 
 from megatron.checkpoint.format import index_name, optimizer_name
+from megatron.checkpoint.streams import OpenFiles
 
 VERSION = 1
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -54,7 +55,8 @@ def target_slice(tensor, dim, tp, tp_rank):
 class SavedOptimizer:
     """The per-parameter optimizer state of a checkpoint folder, read through its index files.
 
-    meta: the folder's meta.json. Files are opened lazily (memory-mapped) and each only once.
+    meta: the folder's meta.json. Files are opened lazily (memory-mapped) and dropped after
+    streams.READ_BLOCK_BYTES read through them (streams.OpenFiles), so memory stays bounded for any model.
     Raises FileNotFoundError naming a missing index (checkpoints written before the index existed)."""
 
     def __init__(self, folder, meta):
@@ -65,7 +67,9 @@ class SavedOptimizer:
         self.locations = {}  # name -> {tp_rank: [(file, piece)]}
         self.entries = {}  # name -> {tp_rank: entry}
         self.step = None
-        self._files = {}
+        # mapped files dropped after every READ_BLOCK_BYTES read through them: bounded RSS for any model size
+        self._files = OpenFiles(lambda path: torch.load(path, map_location="cpu", weights_only=False,
+                                                        mmap=True)["optimizer"])
         for t in range(self.tp):
             for p in range(self.pp):
                 for d in range(dp):
@@ -91,12 +95,6 @@ class SavedOptimizer:
         locations = self.locations.values() if name is None else [self.locations[name]]
         return any(piece["fp32"] is not None for tps in locations for places in tps.values() for _, piece in places)
 
-    def _file(self, name):
-        if name not in self._files:
-            self._files[name] = torch.load(os.path.join(self.folder, name), map_location="cpu", weights_only=False,
-                                           mmap=True)["optimizer"]
-        return self._files[name]
-
     def partition_dim(self, name):
         return self.entries[name][0]["partition_dim"]
 
@@ -107,10 +105,11 @@ class SavedOptimizer:
         out = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
         covered = 0
         for file, piece in self.locations[name][tp_rank]:
-            state = self._file(file)
+            state = self._files.get(os.path.join(self.folder, file))
             source = resolve(state, piece["fp32"]) if key == "fp32" else resolve(state, piece["state"])[key]
             out[piece["start"]:piece["start"] + piece["numel"]] = \
                 source.reshape(-1)[piece["offset"]:piece["offset"] + piece["numel"]].float()
+            self._files.charge(piece["numel"] * source.element_size())
             covered += piece["numel"]
         if covered != out.numel():
             raise ValueError(f"{self.folder}: the optimizer files hold {covered} of {out.numel()} elements of "
