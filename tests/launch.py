@@ -87,12 +87,12 @@ def _free_port():
     return free_port()
 
 
-def read_losses(metrics_file, kind="train"):
-    """{iteration: lm loss} from a metrics JSONL written with --log-interval 1."""
+def read_losses(metrics_file, kind="train", field="lm_loss"):
+    """{iteration: lm loss} (or another field of the record) from a metrics JSONL written with --log-interval 1."""
     losses = {}
     with open(metrics_file) as f:
         for line in f:
             record = json.loads(line)
             if record["kind"] == kind:
-                losses[record["iteration"]] = record["lm_loss"]
+                losses[record["iteration"]] = record[field]
     return losses
