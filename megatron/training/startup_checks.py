@@ -70,7 +70,9 @@ def model_shape_differences(model, saved):
         if field not in saved:
             continue
         ours, theirs = getattr(model, field), saved[field]
-        if field == "ffn_hidden_size":
+        if field == "ffn_hidden_size":  # 4 x hidden unless set: compared only when one side sets it
+            if ours is None and theirs is None:
+                continue
             ours, theirs = model.ffn_dim, theirs or 4 * saved.get("hidden_size", model.hidden_size)
         if ours == theirs:
             continue
@@ -87,8 +89,9 @@ def model_shape_differences(model, saved):
 
 def check_model_against_checkpoint(model, load, finetune=False):
     """ValueError when the model flags describe weights of another shape than the --load checkpoint's."""
-    from megatron.checkpoint.format import saved_model_config
     import os
+
+    from megatron.checkpoint.format import saved_model_config
 
     if not load or not os.path.isdir(load):
         return
@@ -97,9 +100,9 @@ def check_model_against_checkpoint(model, load, finetune=False):
         return  # no config.json of ours (an empty folder, another format): the load says what it is
     differences = model_shape_differences(model, saved)
     if differences:
-        what = "--finetune" if finetune else "--load"
-        raise ValueError(f"{what} {load}: the model flags do not match the checkpoint's config.json: "
-                         f"{', '.join(differences)}; pass the checkpoint's values or load another checkpoint")
+        raise ValueError(f"--load {load}{' (--finetune)' if finetune else ''}: the model flags do not match the "
+                         f"checkpoint's config.json: {', '.join(differences)}; pass the checkpoint's values or load "
+                         "another checkpoint")
 
 
 def check_fp16_supported(precision, cuda_available):
