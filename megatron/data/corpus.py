@@ -285,6 +285,7 @@ class ChunkEncoder:
     def __call__(self, chunk):
         problems = []
         texts, blank = self._parse(chunk, problems)
+        problems.sort(key=lambda problem: problem.line)  # in input order (parse problems are found first)
         text_bytes = sum(len(line) for line in chunk.lines) if chunk.columns is None else \
             sum(len(t.encode("utf-8")) for docs in texts.values() for t in docs)
         result = EncodedChunk({}, {}, {}, 0, text_bytes, chunk.input_bytes, problems, blank)
