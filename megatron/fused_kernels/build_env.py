@@ -7,6 +7,10 @@ built again from scratch. With the system's ninja (/usr/bin) first on PATH in on
 environment's (pip's `ninja` package) in another (an activated .venv, or not), DeepSpeed's CPU communication op
 (deepspeed_shm_comm, 35-100 s) was recompiled at every switch. pin_ninja() puts the environment's own ninja first
 on this process's PATH, so every build of an environment uses one ninja.
+
+Where builds go: TORCH_EXTENSIONS_DIR when set, else this clone's .cache/torch_extensions (what
+examples/quickstart.sh and scripts/test.sh use), rather than torch's ~/.cache/torch_extensions/py311_cpu that every
+environment of the user shares (and rebuilds in turn: the build commands name each environment's paths).
 """
 import contextlib
 import logging
@@ -16,6 +20,8 @@ import time
 
 logger = logging.getLogger("megatron")
 
+REPO_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache",
+                          "torch_extensions")
 SHM_OP_NAME = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder extension (deepspeed/ops/op_builder/cpu)
 
 
@@ -39,6 +45,21 @@ def pin_ninja():
         if not entries or os.path.abspath(entries[0]) != os.path.abspath(folder):
             os.environ["PATH"] = os.pathsep.join([folder] + [e for e in entries if e])
     return shutil.which("ninja")
+
+
+def pin_extensions_dir():
+    """Sets TORCH_EXTENSIONS_DIR to this clone's .cache/torch_extensions when it is unset (and the clone is
+    writable); returns the folder builds go to (None: torch's default)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    try:
+        os.makedirs(REPO_CACHE, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(REPO_CACHE, os.W_OK):
+        return None
+    os.environ["TORCH_EXTENSIONS_DIR"] = REPO_CACHE
+    return REPO_CACHE
 
 
 def shm_op_library():
@@ -69,6 +90,7 @@ def announce_shm_op_build():
     """Around deepspeed.init_distributed: pins ninja, says before a first build that it will take a while and
     after any build how long it took and where the library is."""
     ninja_path = pin_ninja()
+    pin_extensions_dir()
     library = shm_op_library()
     before = _mtime(library) if library else None
     if library and before is None:

@@ -11,6 +11,7 @@ DeepSpeed traceback) stop the run with one line naming the flag, the value and t
 - --fp16 on a CPU whose DeepSpeed accelerator does not support it.
 """
 import logging
+import os
 
 import numpy as np
 
@@ -33,9 +34,9 @@ def largest_token_id(prefix, full_scan_bytes=FULL_SCAN_BYTES, blocks=SAMPLE_BLOC
     from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path
 
     dtype = MMapIndexedDataset(prefix).dtype
-    tokens = np.memmap(data_file_path(prefix), dtype=dtype, mode="r")
-    if tokens.size == 0:
+    if os.path.getsize(data_file_path(prefix)) < dtype.itemsize:  # numpy cannot map an empty file
         return -1, True
+    tokens = np.memmap(data_file_path(prefix), dtype=dtype, mode="r")
     if tokens.nbytes <= full_scan_bytes:
         return int(tokens.max()), True
     per_block = max(1, block_bytes // dtype.itemsize)
@@ -89,8 +90,6 @@ def model_shape_differences(model, saved):
 
 def check_model_against_checkpoint(model, load, finetune=False):
     """ValueError when the model flags describe weights of another shape than the --load checkpoint's."""
-    import os
-
     from megatron.checkpoint.format import saved_model_config
 
     if not load or not os.path.isdir(load):

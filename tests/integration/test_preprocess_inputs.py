@@ -115,8 +115,9 @@ def test_parquet_and_arrow_give_the_bytes_of_the_same_jsonl(tmp_path, texts, mon
     _jsonl(tmp_path / "same.jsonl", [{"text": t, "url": f"https://x/{i}"} for i, t in enumerate(texts)])
     outputs = {}
     for name in ("same.jsonl", "train-00000-of-00001.parquet", "data-00000-of-00001.arrow", "file.arrow"):
-        assert _run(tmp_path / name, tmp_path / name.split(".")[0], "--append-eod") == 0
-        outputs[name] = [(tmp_path / f"{name.split('.')[0]}_text_document{ext}").read_bytes() for ext in (".bin", ".idx")]
+        stem = name.split(".")[0]
+        assert _run(tmp_path / name, tmp_path / stem, "--append-eod") == 0
+        outputs[name] = [(tmp_path / f"{stem}_text_document{ext}").read_bytes() for ext in (".bin", ".idx")]
     assert len(MMapIndexedDataset(str(tmp_path / "same_text_document")).doc_idx) == len(texts) + 1
     assert all(output == outputs["same.jsonl"] for output in outputs.values())
 
