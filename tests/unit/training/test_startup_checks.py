@@ -48,6 +48,8 @@ def test_largest_token_id_scans_whole_files_and_samples_large_ones(tmp_path):
 def test_data_with_ids_beyond_the_tokenizer_stops(tmp_path):
     prefix = _dataset(tmp_path / "d", [[5, 9, 8001], [3]])
     check_data_vocabulary([prefix], 8002, 8064, "--vocab-file v.json")  # 8001 fits 8002 tokens
+    with pytest.raises(ValueError, match="token id 8001 does not fit the tokenizer's 8001 tokens"):
+        check_data_vocabulary([prefix], 8001, 8064, "--vocab-file v.json")  # ids run 0 .. 8000
     with pytest.raises(ValueError) as err:
         check_data_vocabulary([prefix], 8000, 8064, "--vocab-file v.json")
     assert str(err.value) == (
