@@ -105,14 +105,20 @@ def check_model_against_checkpoint(model, load, finetune=False):
 
 
 def check_fp16_supported(precision, cuda_available):
-    """ValueError for --fp16 on a CPU whose DeepSpeed accelerator refuses it (before DeepSpeed's traceback)."""
-    if not precision.fp16 or cuda_available:
+    """ValueError for --fp16 (or --bf16) on a CPU whose DeepSpeed accelerator refuses it, which DeepSpeed's engine
+    would report as a traceback ("Type fp16 is not supported on your device.") after building the model."""
+    if not (precision.fp16 or precision.bf16) or cuda_available:
         return
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+    if accelerator.device_name() != "cpu":
+        return
+    if precision.fp16 and not accelerator.is_fp16_supported():
         raise ValueError("--fp16: DeepSpeed does not support fp16 on this CPU (it needs AVX512-FP16 or AMX-FP16); "
                          "use --bf16, or drop --fp16 to train in fp32, or run on a GPU")
+    if precision.bf16 and not accelerator.is_bf16_supported():
+        raise ValueError("--bf16: DeepSpeed does not support bf16 on this CPU; drop --bf16 to train in fp32, or run "
+                         "on a GPU")
 
 
 def check_before_start(config, tokenizer):

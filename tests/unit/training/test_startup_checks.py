@@ -98,6 +98,11 @@ def test_fp16_on_a_cpu_without_it_is_one_line(monkeypatch):
                               "AMX-FP16); use --bf16, or drop --fp16 to train in fp32, or run on a GPU")
     monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: True)
     check_fp16_supported(PrecisionConfig(fp16=True), cuda_available=False)
+    monkeypatch.setattr(accelerator, "is_bf16_supported", lambda: False)
+    with pytest.raises(ValueError) as err:
+        check_fp16_supported(PrecisionConfig(bf16=True), cuda_available=False)
+    assert str(err.value) == ("--bf16: DeepSpeed does not support bf16 on this CPU; drop --bf16 to train in fp32, "
+                              "or run on a GPU")
 
 
 def test_empty_validation_split_warns_once(tmp_path, caplog):
