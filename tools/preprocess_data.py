@@ -68,6 +68,8 @@ def empty_output_message(args, documents, counts, examples, first_missing, files
     first = f"first: {examples[0]}" if examples else ""
     if documents == 0:
         if hint and counts.get("missing key") == records_skipped:
+            if hint[0] in first_missing.keys:  # there, but not text: {"text": 42}, {"text": null}
+                return f"no document has text under key {hint[0]!r} (first: {first_missing}); {hint[1]}"
             return f"no document has key {hint[0]!r}; {hint[1]}"
         if counts:
             return (f"no document to write: every record was skipped ({parts}); {first}; fix --input "

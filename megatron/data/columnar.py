@@ -32,7 +32,7 @@ def _open_arrow(path):
 
 
 def read_schema(path):
-    """Column names and whether each holds strings, from the file's metadata (no rows are read)."""
+    """{column name: Arrow type} from the file's metadata (no rows are read)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -41,8 +41,12 @@ def read_schema(path):
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"--input {path}: cannot be read as {'Parquet' if path.endswith('.parquet') else 'Arrow'} "
                          f"({exc}); pass a .parquet or .arrow file that pyarrow opens") from None
-    return {field.name: pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
-            for field in schema}
+    return {field.name: field.type for field in schema}
+
+
+def _is_text(arrow_type):
+    import pyarrow as pa
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
 def guess_text_key(candidates):
@@ -54,14 +58,17 @@ def guess_text_key(candidates):
 
 
 def check_columns(path, json_keys):
-    """ValueError naming the missing column and the one to pass instead, before anything is read or written."""
+    """ValueError naming the missing (or non-text) column and the one to pass instead, before anything is read
+    or written."""
     columns = read_schema(path)
+    fix = guess_text_key([name for name, kind in columns.items() if _is_text(kind) and name not in json_keys])
+    fix = f"pass --json-keys {fix}" if fix else "it has no other text column to tokenize"
     for key in json_keys:
         if key not in columns:
-            strings = [name for name, is_text in columns.items() if is_text]
-            fix = guess_text_key(strings)
-            raise ValueError(f"--input {path} has no column {key!r}; its columns are {', '.join(columns)}: "
-                             + (f"pass --json-keys {fix}" if fix else "it has no text column to tokenize"))
+            raise ValueError(f"--input {path} has no column {key!r}; its columns are {', '.join(columns)}: {fix}")
+        if not _is_text(columns[key]):
+            raise ValueError(f"--input {path}: column {key!r} holds {columns[key]}, not text; its columns are "
+                             f"{', '.join(columns)}: {fix}")
 
 
 def read_columnar_chunks(path, json_keys, chunk_rows, chunk_type):

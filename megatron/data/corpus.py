@@ -40,18 +40,24 @@ PROBLEM_KINDS = ("non-UTF-8 bytes", "malformed JSON", "missing key", "empty docu
 _CONTROL_CHARS = regex.compile(r"[\p{Cc}\p{Cf}\p{Cs}\p{Co}\uFFFD](?<![\t\n\u200c\u200d])")
 
 
-def split_of(path):
-    """The split a file's name says it belongs to (train, validation, test), or None."""
-    match = _SPLIT_IN_NAME.search(os.path.basename(path).lower())
-    return _SPLIT_ALIASES.get(match.group(1), match.group(1)) if match else None
+def split_of(path, base=None):
+    """The split a file's name, or a folder between base and it, says it belongs to (train, validation, test),
+    or None: c4-validation.00000-of-00008.json.gz, or validation/data-00000-of-00001.arrow as `datasets`
+    saves a DatasetDict."""
+    parts = os.path.relpath(path, base).split(os.sep) if base else [os.path.basename(path)]
+    for part in reversed(parts):
+        match = _SPLIT_IN_NAME.search(part.lower())
+        if match:
+            return _SPLIT_ALIASES.get(match.group(1), match.group(1))
+    return None
 
 
-def select_split(files, split="train"):
+def select_split(files, split="train", base=None):
     """(files taken, files left out): the files named for `split`, plus those whose names carry no split;
     everything for split "all" or when no name carries a split."""
-    if split == "all" or not any(split_of(path) for path in files):
+    if split == "all" or not any(split_of(path, base) for path in files):
         return list(files), []
-    taken = [path for path in files if split_of(path) in (split, None)]
+    taken = [path for path in files if split_of(path, base) in (split, None)]
     return taken, [path for path in files if path not in taken]
 
 
@@ -72,9 +78,9 @@ def find_input_files(pattern, split="train", recursive=False):
         if not found:
             deeper = "" if recursive else " at its top level (pass --recursive to read its subfolders)"
             raise ValueError(f"--input {pattern}: the folder holds no {'/'.join(INPUT_SUFFIXES)} files{deeper}")
-        taken, left_out = select_split(sorted(found), split)
+        taken, left_out = select_split(sorted(found), split, pattern)
         if not taken:
-            splits = sorted({split_of(path) for path in left_out})
+            splits = sorted({split_of(path, pattern) for path in left_out})
             raise ValueError(f"--input {pattern}: the folder holds no files of split {split} (only "
                              f"{', '.join(splits)}); pass --input-split {splits[0]} or --input-split all")
         return taken, left_out

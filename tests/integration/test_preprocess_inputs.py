@@ -66,6 +66,13 @@ def test_missing_key_stops_naming_the_key_to_pass(tmp_path, texts, capsys):
     assert os.listdir(tmp_path) == ["c4.jsonl"]  # no .bin/.idx, not even a temporary one
     assert _run(data, tmp_path / "out", "--json-keys", "content") == 0
     assert len(_documents_of(tmp_path / "out_content_document")) == 50
+    numbers = _jsonl(tmp_path / "numbers.jsonl", [{"text": 5, "body": texts[0]}, {"text": None, "body": texts[1]}])
+    assert _run(numbers, tmp_path / "num") == 1
+    assert _error(capsys) == (f"preprocess_data.py: error: no document has text under key 'text' (first: {numbers}:1: "
+                              "missing key ('text' is int, not text)); the first record's keys are text, body: pass "
+                              "--json-keys body")
+    assert sorted(os.listdir(tmp_path)) == ["c4.jsonl", "numbers.jsonl", "out_content_document.bin",
+                                            "out_content_document.idx"]
 
 
 def _documents_of(prefix):
@@ -127,7 +134,25 @@ def test_parquet_without_the_column_names_its_columns(tmp_path, texts, capsys):
     assert _run(tmp_path / "a.parquet", tmp_path / "out") == 2
     assert _error(capsys) == (f"preprocess_data.py: error: --input {tmp_path / 'a.parquet'} has no column 'text'; "
                               "its columns are content, id: pass --json-keys content")
-    assert os.listdir(tmp_path) == ["a.parquet"]
+    pq.write_table(pa.table({"text": [1, 2], "body": ["a", "b"]}), tmp_path / "b.parquet")
+    assert _run(tmp_path / "b.parquet", tmp_path / "out") == 2
+    assert _error(capsys) == (f"preprocess_data.py: error: --input {tmp_path / 'b.parquet'}: column 'text' holds "
+                              "int64, not text; its columns are text, body: pass --json-keys body")
+    assert sorted(os.listdir(tmp_path)) == ["a.parquet", "b.parquet"]
+
+
+def test_dataset_dict_folder_reads_its_train_split(tmp_path, texts, tokenizer):
+    """`datasets`' DatasetDict.save_to_disk layout: one folder per split of Arrow streams, plus JSON metadata."""
+    for split, part in (("train", texts[:7]), ("validation", texts[7:9])):
+        (tmp_path / "dd" / split).mkdir(parents=True)
+        table = pa.table({"text": part})
+        with ipc.new_stream(str(tmp_path / "dd" / split / "data-00000-of-00001.arrow"), table.schema) as writer:
+            writer.write_table(table)
+        (tmp_path / "dd" / split / "state.json").write_text('{\n  "_split": null\n}\n')
+        (tmp_path / "dd" / split / "dataset_info.json").write_text("{}")
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "validation"]}')
+    assert _run(tmp_path / "dd", tmp_path / "out", "--recursive") == 0
+    assert _documents(tmp_path / "out") == tokenizer.tokenize_batch(texts[:7])
 
 
 @pytest.fixture
