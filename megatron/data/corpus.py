@@ -70,7 +70,7 @@ def find_input_files(pattern, split="train", recursive=False):
         return [pattern], []
     if os.path.isdir(pattern):
         found = []
-        for root, folders, names in os.walk(pattern):
+        for root, _, names in os.walk(pattern):
             found += [os.path.join(root, n) for n in names
                       if n.endswith(INPUT_SUFFIXES) and n not in METADATA_FILES]
             if not recursive:
@@ -119,10 +119,9 @@ def read_chunks(paths, problems, chunk_bytes=1 << 20, chunk_lines=4096, json_key
     """Yields Chunks of every file in order (chunk_lines lines, or rows of a columnar file, at most). A file that
     cannot be read to the end (corrupt gzip, I/O error) adds an "unreadable file" Problem to `problems` after
     yielding what was read."""
-    import pyarrow as pa
-
     for path in paths:
         if is_columnar(path):
+            import pyarrow as pa  # only for Parquet/Arrow inputs
             row = 0
             try:
                 for chunk in read_columnar_chunks(path, json_keys, chunk_lines, Chunk):
