@@ -16,8 +16,10 @@ def main(argv=None, callbacks=()):
     from megatron.checkpoint.format import CheckpointError, checkpoint_bytes
     from megatron.checkpoint.load import load_checkpoint
     from megatron.checkpoint.save import check_save_dir
+    from megatron.training.startup_checks import check_before_start
     try:
         config, ds_config, tokenizer = load_and_resolve(argv)
+        check_before_start(config, tokenizer)  # data vs vocabulary, flags vs the checkpoint's shape, fp16 on CPU
         if config.checkpoint.save:  # writable, with room for one more checkpoint
             check_save_dir(config.checkpoint.save, checkpoint_bytes(
                 config.model.num_parameters(), config.precision.name, config.checkpoint.no_save_optim))

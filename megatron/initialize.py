@@ -128,7 +128,8 @@ def initialize_distributed(parallel):
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
-    with deepspeed_output():
+    from megatron.fused_kernels.build_env import announce_shm_op_build
+    with announce_shm_op_build(), deepspeed_output():  # one ninja per environment; a build says so
         deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
                                    timeout=timeout)
     _unlink_shm_buffer_once_mapped()

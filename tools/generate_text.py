@@ -67,6 +67,7 @@ def setup_tensor_parallel():
 def main(argv=None):
     from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine, SamplingParams
+    from megatron.inference.checks import check_prompt_length
     from megatron.inference.loading import device_and_dtype, load_checkpoint_and_tokenizer
 
     args = parse_args(argv)
@@ -87,6 +88,9 @@ def main(argv=None):
         prompt_ids = [tokenizer.tokenize(p) for p in prompts]
         if any(not ids for ids in prompt_ids):
             raise ValueError("a prompt tokenizes to no tokens; drop empty prompts")
+        for i, ids in enumerate(prompt_ids):  # the same check and words as the server's HTTP 400
+            check_prompt_length(len(ids), params.max_new_tokens, merged.config.seq_length,
+                                "prompt" if len(prompt_ids) == 1 else f"prompt {i}", "--max-new-tokens", "--prompt")
         engine = InferenceEngine(model, max_batch_size=min(args.batch_size, len(prompt_ids)),
                                  max_seq_len=max(len(ids) for ids in prompt_ids) + params.max_new_tokens,
                                  eod_id=tokenizer.eod, vocab_limit=tokenizer.vocab_size,

@@ -61,8 +61,8 @@ def main(argv=None):
         reader = convert.CheckpointReader(args.model_path, args.num_partitions, verify=not args.no_verify)
         dtype = convert.resolve_dtype(args.dtype, reader.dtype)
         if output_format == "hf":
-            out = hf.write_hf_folder(args.output_path, reader, reader.config, dtype,
-                                                   reader.tokenizer_dir, max_shard, args.force)
+            out = hf.write_hf_folder(args.output_path, reader, reader.config, dtype, reader.tokenizer_dir, max_shard,
+                                     args.force, source=reader)
             what = "Hugging Face BLOOM folder"
         else:
             out = convert.write_megatron_checkpoint(

@@ -1,12 +1,15 @@
-"""Tokenizes a JSON-lines corpus (C4-style, optionally .gz) into Megatron's mmap .bin/.idx training data.
+"""Tokenizes a corpus (JSON lines, optionally .gz; Parquet; Arrow) into Megatron's mmap .bin/.idx training data.
 
     python tools/preprocess_data.py --input /data/c4/en --output-prefix c4_en \
         --vocab-file vocab.json --merge-file merges.txt --dataset-impl mmap \
         --tokenizer-type GPT2BPETokenizer --append-eod --workers 32
 
 writes c4_en_text_document.bin/.idx (one pair per --json-keys key). Output is byte-identical for any
---workers. Bad records are skipped, counted and named in the summary (--strict: the first is fatal).
-Outputs are written under temporary names and renamed only when the run succeeds.
+--workers. Bad records are skipped, counted and named in the summary (--strict: the first is fatal); a run that
+would write no document, or skip more than --max-skipped-fraction of the records, stops with one line naming
+the cause and the fix. A folder is read at its top level (--recursive for subfolders), and of a C4-style folder
+(c4-train.* and c4-validation.*) only the --input-split files (train by default). Outputs are written under
+temporary names and renamed only when the run succeeds.
 """
 import argparse
 import collections
@@ -18,8 +21,9 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.data.columnar import check_columns, is_columnar  # noqa: E402
 from megatron.data.corpus import (  # noqa: E402
-    PROBLEM_KINDS, ChunkEncoder, TextNormalizer, build_sentence_splitter, find_input_files, read_chunks)
+    PROBLEM_KINDS, SPLITS, ChunkEncoder, TextNormalizer, build_sentence_splitter, find_input_files, read_chunks)
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer, infer_tokenizer_type  # noqa: E402
 
@@ -30,6 +34,67 @@ SHOWN_PROBLEMS = 5
 
 class StrictInputError(RuntimeError):
     pass
+
+
+class EmptyOutputError(RuntimeError):
+    """The run would write an empty or mostly-skipped dataset; the message names the cause and the fix."""
+
+
+# ---------------------------------------------------------------- input selection and the empty-output checks
+
+
+def _add_input_check_args(parser):
+    """Which files of a folder are read, and how many bad records a run may skip before it writes nothing."""
+    group = parser.add_argument_group("input selection and checks")
+    group.add_argument("--input-split", choices=SPLITS, default="train",
+                       help="of a folder whose file names carry a split (C4's c4-train.* / c4-validation.*, "
+                            "datasets' train-*.parquet), read only this one (default: train; all: every file)")
+    group.add_argument("--recursive", action="store_true", help="also read the subfolders of an --input folder")
+    group.add_argument("--max-skipped-fraction", type=float, default=0.5,
+                       help="stop without writing when more than this share of the records is skipped as bad "
+                            "(default: 0.5); a run that would write no document always stops")
+
+
+def empty_output_message(args, documents, counts, examples, first_missing, files, blank_lines):
+    """The one-line reason not to write the dataset, or None when it may be written."""
+    records_skipped = sum(n for kind, n in counts.items() if kind != "unreadable file")
+    hint = None
+    if first_missing is not None:
+        key = next((k for k in args.json_keys if k not in first_missing.keys), args.json_keys[0])
+        fix = (f"pass --json-keys {first_missing.suggested_key}" if first_missing.suggested_key not in (None, key)
+               else "none of them holds text under another name; check --input")
+        hint = (key, f"the first record's keys are {', '.join(first_missing.keys) or '(none)'}: {fix}")
+    parts = ", ".join(f"{counts[kind]} {kind}" for kind in PROBLEM_KINDS if counts.get(kind))
+    first = f"first: {examples[0]}" if examples else ""
+    if documents == 0:
+        if hint and counts.get("missing key") == records_skipped:
+            if hint[0] in first_missing.keys:  # there, but not text: {"text": 42}, {"text": null}
+                return f"no document has text under key {hint[0]!r} (first: {first_missing}); {hint[1]}"
+            return f"no document has key {hint[0]!r}; {hint[1]}"
+        if counts:
+            return (f"no document to write: every record was skipped ({parts}); {first}; fix --input "
+                    f"{args.input}; nothing written")
+        return (f"--input {args.input} holds no documents ({len(files)} file{'s' if len(files) != 1 else ''}, "
+                f"{blank_lines} blank lines); nothing written")
+    total = documents + records_skipped
+    if records_skipped > args.max_skipped_fraction * total:
+        line = (f"skipped {records_skipped} of {total} records ({100 * records_skipped / total:.1f}%, more than "
+                f"--max-skipped-fraction {args.max_skipped_fraction:g}: {parts}); {first}")
+        if hint and 2 * counts.get("missing key", 0) > records_skipped:
+            line += f"; {hint[1]}"
+        return line + "; fix the input or raise --max-skipped-fraction; nothing written"
+    return None
+
+
+def log_input_files(args, files, left_out):
+    """One line listing the files read (relative to an --input folder), one naming the files left out."""
+    base = args.input if os.path.isdir(args.input) else None
+    names = [os.path.relpath(p, base) if base else p for p in files]
+    logger.info("reading %d input file%s: %s", len(files), "s" if len(files) != 1 else "", ", ".join(names))
+    if left_out:
+        logger.info("left out %d file%s of other splits (--input-split %s; all reads them): %s", len(left_out),
+                    "s" if len(left_out) != 1 else "", args.input_split,
+                    ", ".join(os.path.relpath(p, base) if base else p for p in left_out))
 
 
 def get_args(argv=None):
@@ -65,6 +130,7 @@ def get_args(argv=None):
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     group.add_argument("--log-interval", type=int, default=10000, help="progress line every N documents")
+    _add_input_check_args(parser)
     return parser.parse_args(argv)
 
 
@@ -82,10 +148,15 @@ def check_args(args):
         raise ValueError(f"--output-prefix {args.output_prefix}: folder {folder} does not exist; create it first")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"--output-prefix {args.output_prefix}: folder {folder} is not writable")
-    files = find_input_files(args.input)
+    if not 0 <= args.max_skipped_fraction <= 1:
+        raise ValueError(f"--max-skipped-fraction {args.max_skipped_fraction} must be between 0 and 1")
+    files, left_out = find_input_files(args.input, args.input_split, args.recursive)
     for path in files:
         if not os.access(path, os.R_OK):
             raise ValueError(f"--input {path}: file is not readable")
+        if is_columnar(path):
+            check_columns(path, args.json_keys)
+    log_input_files(args, files, left_out)
     args.tokenizer_type = infer_tokenizer_type(args.tokenizer_type, args.vocab_file, args.merge_file,
                                                args.tokenizer_name_or_path)
     if args.keep_newlines and not args.split_sentences:
@@ -197,7 +268,8 @@ def run(args, files, tokenizer):
     progress = Progress(sum(os.path.getsize(p) for p in files), args.log_interval)
     success = False
     try:
-        for encoded in encode_chunks(args, encoder, read_chunks(files, reader_problems)):
+        first_missing = None
+        for encoded in encode_chunks(args, encoder, read_chunks(files, reader_problems, json_keys=args.json_keys)):
             problems = encoded.problems + reader_problems
             reader_problems.clear()
             if problems and args.strict:
@@ -206,6 +278,8 @@ def run(args, files, tokenizer):
                 counts[problem.kind] += 1
                 if len(examples) < SHOWN_PROBLEMS:
                     examples.append(problem)
+                if first_missing is None and problem.kind == "missing key":
+                    first_missing = problem
             blank_lines += encoded.blank_lines
             for key, builder in builders.items():
                 builder.add_items(encoded.tokens[key], encoded.sizes[key], encoded.doc_ends[key])
@@ -216,6 +290,9 @@ def run(args, files, tokenizer):
             counts[problem.kind] += 1
             if len(examples) < SHOWN_PROBLEMS:
                 examples.append(problem)
+        refusal = empty_output_message(args, progress.documents, counts, examples, first_missing, files, blank_lines)
+        if refusal:
+            raise EmptyOutputError(refusal)
         for key, builder in builders.items():
             builder.finalize(outputs[key] + ".idx" + suffix)
         for key in args.json_keys:
@@ -250,7 +327,7 @@ def main(argv=None):
         return 2
     try:
         return 0 if run(args, files, tokenizer) is not None else 1
-    except StrictInputError as exc:
+    except (StrictInputError, EmptyOutputError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
 

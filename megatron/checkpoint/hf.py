@@ -16,10 +16,11 @@ import re
 
 import torch
 
-from megatron.checkpoint.convert import (MergedCheckpoint, as_reader, copy_tokenizer, has_tokenizer,
+from megatron.checkpoint.convert import (DTYPE_NAMES, MergedCheckpoint, as_reader, copy_tokenizer, has_tokenizer,
                                          load_merged_checkpoint, read_json)
 from megatron.checkpoint.format import check_shapes, expected_shapes, model_config_from_dict
 from megatron.checkpoint.io import atomic_folder
+from megatron.checkpoint.model_card import set_model_max_length, write_model_card
 from megatron.checkpoint.streams import SAFETENSORS_TORCH, OpenFiles, SafetensorsWriter, narrow, owned, row_blocks, \
     span_bytes, window_ranges
 from megatron.file_modes import apply_umask
@@ -70,10 +71,13 @@ def plan_hf_shards(config, dtype, max_shard_size):
     return groups
 
 
-def write_hf_folder(out, weights, config, dtype, tokenizer_dir=None, max_shard_size=5 * 10 ** 9, force=False):
+def write_hf_folder(out, weights, config, dtype, tokenizer_dir=None, max_shard_size=5 * 10 ** 9, force=False,
+                    source=None):
     """A folder BloomForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load offline:
     config.json, model.safetensors (or model-0000i-of-0000n.safetensors + index), generation_config.json,
-    and the tokenizer files. lm_head.weight is left out: it is tied to the word embeddings.
+    the tokenizer files (model_max_length = the trained sequence length) and a model card README.md written
+    from `source` (the CheckpointReader: its config.json, meta and metrics; model_card.py). lm_head.weight is
+    left out: it is tied to the word embeddings.
 
     weights: full tensors by canonical name, or a reader (CheckpointReader, HFReader). Each file is written
     tensor by tensor, in blocks of rows of at most streams.READ_BLOCK_BYTES read from the reader, so the model
@@ -106,6 +110,8 @@ def write_hf_folder(out, weights, config, dtype, tokenizer_dir=None, max_shard_s
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         copy_tokenizer(tokenizer_dir, tmp)
+        set_model_max_length(tmp, config.seq_length)
+        write_model_card(tmp, config, DTYPE_NAMES[dtype], source)
         apply_umask(tmp)  # copies keep their source's mode (and safetensors' own save_file writes 0600)
     return os.path.abspath(out)
 

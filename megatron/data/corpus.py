@@ -1,8 +1,14 @@
-"""Reading a JSON-lines corpus for tools/preprocess_data.py: input discovery, chunks, text cleanup, tokenization.
+"""Reading a corpus for tools/preprocess_data.py: input discovery, chunks, text cleanup, tokenization.
 
-The main process reads raw lines (plain or .gz) into Chunks; encode_chunk (in the main process or a worker)
-decodes, parses, cleans, optionally splits sentences and tokenizes them. Bad records (non-UTF-8 bytes,
-malformed JSON, a missing key, an empty document) are skipped and reported as Problems with file and line.
+The main process reads raw JSON lines (plain or .gz) or the record batches of Parquet/Arrow files (columnar.py)
+into Chunks; a ChunkEncoder (in the main process or a worker) decodes, parses, cleans, optionally splits
+sentences and tokenizes them. Bad records (non-UTF-8 bytes, malformed JSON, a missing key, an empty document)
+are skipped and reported as Problems with file and line (row for columnar files).
+
+A folder given as --input is read at its top level only (recursive=True walks it), without the metadata files
+`datasets` writes beside its data, and when its file names carry a split (C4's c4-train.* and
+c4-validation.*, `datasets`' train-00000-of-00001.parquet) only the files of one split are taken (train by
+default; select_split).
 """
 import dataclasses
 import glob
@@ -16,29 +22,72 @@ import unicodedata
 import numpy as np
 import regex
 
+from megatron.data.columnar import COLUMNAR_SUFFIXES, TEXT_KEY_NAMES, is_columnar, read_columnar_chunks
+
 logger = logging.getLogger(__name__)
 
-INPUT_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+INPUT_SUFFIXES = JSON_SUFFIXES + COLUMNAR_SUFFIXES
+# What `datasets` writes beside its data (save_to_disk, to_json exports): not records.
+METADATA_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+SPLITS = ("train", "validation", "test", "all")
+# A split named in a file name between separators: c4-train.00000-of-01024.json.gz, train-00000-of-00001.parquet,
+# c4-validation.00007-of-00008.json.gz, wiki_valid.jsonl, test.parquet.
+_SPLIT_IN_NAME = regex.compile(r"(?:^|[._-])(train|training|validation|valid|val|dev|test)(?=[._-]|$)")
+_SPLIT_ALIASES = {"training": "train", "valid": "validation", "val": "validation", "dev": "validation"}
 PROBLEM_KINDS = ("non-UTF-8 bytes", "malformed JSON", "missing key", "empty document", "unreadable file")
 # Control (Cc) except tab/newline, format (Cf) except ZWNJ/ZWJ, surrogates, private use, and U+FFFD.
 _CONTROL_CHARS = regex.compile(r"[\p{Cc}\p{Cf}\p{Cs}\p{Co}\uFFFD](?<![\t\n\u200c\u200d])")
 
 
-def find_input_files(pattern):
-    """--input as a file, a folder (its .json/.jsonl[.gz] files, recursively) or a glob; sorted paths."""
+def split_of(path, base=None):
+    """The split a file's name, or a folder between base and it, says it belongs to (train, validation, test),
+    or None: c4-validation.00000-of-00008.json.gz, or validation/data-00000-of-00001.arrow as `datasets`
+    saves a DatasetDict."""
+    parts = os.path.relpath(path, base).split(os.sep) if base else [os.path.basename(path)]
+    for part in reversed(parts):
+        match = _SPLIT_IN_NAME.search(part.lower())
+        if match:
+            return _SPLIT_ALIASES.get(match.group(1), match.group(1))
+    return None
+
+
+def select_split(files, split="train", base=None):
+    """(files taken, files left out): the files named for `split`, plus those whose names carry no split;
+    everything for split "all" or when no name carries a split."""
+    if split == "all" or not any(split_of(path, base) for path in files):
+        return list(files), []
+    taken = [path for path in files if split_of(path, base) in (split, None)]
+    return taken, [path for path in files if path not in taken]
+
+
+def find_input_files(pattern, split="train", recursive=False):
+    """--input as a file, a folder or a glob -> (sorted paths, paths of other splits left out).
+
+    A folder gives its .json/.jsonl[.gz]/.parquet/.arrow files (subfolders only with recursive), less the
+    metadata `datasets` writes, then select_split. A file or a glob is taken as given."""
     if os.path.isfile(pattern):
-        return [pattern]
+        return [pattern], []
     if os.path.isdir(pattern):
         found = []
         for root, _, names in os.walk(pattern):
-            found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)]
+            found += [os.path.join(root, n) for n in names
+                      if n.endswith(INPUT_SUFFIXES) and n not in METADATA_FILES]
+            if not recursive:
+                break
         if not found:
-            raise ValueError(f"--input {pattern}: the folder holds no {'/'.join(INPUT_SUFFIXES)} files")
-        return sorted(found)
+            deeper = "" if recursive else " at its top level (pass --recursive to read its subfolders)"
+            raise ValueError(f"--input {pattern}: the folder holds no {'/'.join(INPUT_SUFFIXES)} files{deeper}")
+        taken, left_out = select_split(sorted(found), split, pattern)
+        if not taken:
+            splits = sorted({split_of(path, pattern) for path in left_out})
+            raise ValueError(f"--input {pattern}: the folder holds no files of split {split} (only "
+                             f"{', '.join(splits)}); pass --input-split {splits[0]} or --input-split all")
+        return taken, left_out
     matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not matches:
         raise ValueError(f"--input {pattern}: no such file, folder or glob match")
-    return matches
+    return matches, []
 
 
 @dataclasses.dataclass
@@ -49,6 +98,7 @@ class Chunk:
     first_line: int
     lines: list
     input_bytes: int  # bytes of the input file consumed (compressed bytes for .gz), for progress/ETA
+    columns: dict = None  # a Parquet/Arrow chunk: {json key: [value per row]} instead of lines
 
 
 @dataclasses.dataclass
@@ -57,16 +107,29 @@ class Problem:
     path: str
     line: int
     detail: str
+    keys: tuple = None  # a missing key: the record's keys (its columns for Parquet/Arrow)
+    suggested_key: str = None  # a missing key: the record's key that looks like the text
 
     def __str__(self):
         where = f"{self.path}:{self.line}" if self.line else self.path
         return f"{where}: {self.kind} ({self.detail})" if self.detail else f"{where}: {self.kind}"
 
 
-def read_chunks(paths, problems, chunk_bytes=1 << 20, chunk_lines=4096):
-    """Yields Chunks of every file in order. A file that cannot be read to the end (corrupt gzip, I/O error)
-    adds an "unreadable file" Problem to `problems` after yielding what was read."""
+def read_chunks(paths, problems, chunk_bytes=1 << 20, chunk_lines=4096, json_keys=("text",)):
+    """Yields Chunks of every file in order (chunk_lines lines, or rows of a columnar file, at most). A file that
+    cannot be read to the end (corrupt gzip, I/O error) adds an "unreadable file" Problem to `problems` after
+    yielding what was read."""
     for path in paths:
+        if is_columnar(path):
+            import pyarrow as pa  # only for Parquet/Arrow inputs
+            row = 0
+            try:
+                for chunk in read_columnar_chunks(path, json_keys, chunk_lines, Chunk):
+                    row = chunk.first_line + len(next(iter(chunk.columns.values()), []))
+                    yield chunk
+            except (OSError, pa.ArrowException) as exc:
+                problems.append(Problem("unreadable file", path, row, f"{type(exc).__name__}: {exc}"))
+            continue
         raw = open(path, "rb")
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
         lines, size, first, consumed = [], 0, 1, 0
@@ -86,6 +149,16 @@ def read_chunks(paths, problems, chunk_bytes=1 << 20, chunk_lines=4096):
             position = os.path.getsize(path)
         if lines or position > consumed:
             yield Chunk(path, first, lines, position - consumed)
+
+
+def suggest_text_key(record):
+    """The key of a record to suggest for --json-keys: a usual name for text among its string values, else the
+    key of its longest string (None without one)."""
+    strings = {key: value for key, value in record.items() if isinstance(value, str)}
+    usual = [name for name in TEXT_KEY_NAMES if name in strings]
+    if usual:
+        return usual[0]
+    return max(strings, key=lambda key: len(strings[key])) if strings else None
 
 
 class TextNormalizer:
@@ -158,10 +231,14 @@ class ChunkEncoder:
         self.normalizer = normalizer if normalizer is not None and normalizer.active else None
         self.split = build_sentence_splitter(keep_newlines=keep_newlines)[0] if split_sentences else None
 
-    def _parse(self, chunk, problems):
-        """[(key, text)] of the chunk's good records; bad ones become Problems."""
-        texts = {key: [] for key in self.json_keys}
-        blank = 0
+    def _records(self, chunk, problems):
+        """(line or row number, record dict) of the chunk's parsable records, and the count of blank lines."""
+        if chunk.columns is not None:
+            rows = len(next(iter(chunk.columns.values()), []))
+            records = [(chunk.first_line + i, {key: values[i] for key, values in chunk.columns.items()})
+                       for i in range(rows)]
+            return records, 0
+        records, blank = [], 0
         for line_no, raw in enumerate(chunk.lines, chunk.first_line):
             if not raw.strip():
                 blank += 1
@@ -183,12 +260,21 @@ class ChunkEncoder:
                 problems.append(Problem("malformed JSON", chunk.path, line_no,
                                         f"expected an object, got {type(record).__name__}"))
                 continue
+            records.append((line_no, record))
+        return records, blank
+
+    def _parse(self, chunk, problems):
+        """{key: [text]} of the chunk's good records; bad ones become Problems."""
+        texts = {key: [] for key in self.json_keys}
+        records, blank = self._records(chunk, problems)
+        for line_no, record in records:
             values = []
             for key in self.json_keys:
                 value = record.get(key)
                 if not isinstance(value, str):
                     detail = f"no {key!r}" if key not in record else f"{key!r} is {type(value).__name__}, not text"
-                    problems.append(Problem("missing key", chunk.path, line_no, detail))
+                    problems.append(Problem("missing key", chunk.path, line_no, detail, tuple(record),
+                                            suggest_text_key(record)))
                     break
                 values.append(value)
             else:
@@ -204,7 +290,9 @@ class ChunkEncoder:
     def __call__(self, chunk):
         problems = []
         texts, blank = self._parse(chunk, problems)
-        text_bytes = sum(len(line) for line in chunk.lines)
+        problems.sort(key=lambda problem: problem.line)  # in input order (parse problems are found first)
+        text_bytes = sum(len(line) for line in chunk.lines) if chunk.columns is None else \
+            sum(len(t.encode("utf-8")) for docs in texts.values() for t in docs)
         result = EncodedChunk({}, {}, {}, 0, text_bytes, chunk.input_bytes, problems, blank)
         for key, docs in texts.items():
             result.documents = max(result.documents, len(docs))

@@ -42,7 +42,12 @@ def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test
     if seq_length < 1:
         raise ValueError(f"--seq-length {seq_length} must be >= 1")
     if len(data_prefix) == 1:
-        return _build_single(data_prefix[0], splits_string, num_samples, seq_length, seed, cache_dir)
+        datasets = _build_single(data_prefix[0], splits_string, num_samples, seq_length, seed, cache_dir)
+        if num_samples[1] > 0 and datasets[1] is None:
+            docs = len(MMapIndexedDataset(data_prefix[0]).doc_idx) - 1
+            _warn_empty_validation(f"--split {splits_string} gives it none of the {docs} documents of "
+                                   f"{data_prefix[0]}")
+        return datasets
 
     paths, weights, per_dataset = get_datasets_weights_and_num_samples(data_prefix, num_samples)
     built = [_build_single(path, splits_string, counts, seq_length, seed, cache_dir)
@@ -58,7 +63,17 @@ def build_train_valid_test_datasets(data_prefix, splits_string, train_valid_test
             logger.warning("%s split: %s have no documents in it; blending the others with renormalised weights",
                            name, ", ".join(missing))
         blended.append(BlendableDataset([ds for ds, _ in parts], [w for _, w in parts], num_samples[split]))
+    if num_samples[1] > 0 and blended[1] is None:
+        _warn_empty_validation(f"--split {splits_string} gives it no document of any --data-path dataset")
     return tuple(blended)
+
+
+def _warn_empty_validation(why):
+    """One warning (global rank 0) that no validation loss will be reported."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning("the validation split is empty: %s, so no validation loss is computed; add documents or "
+                       "raise the validation part of --split", why)
 
 
 def _build_single(path_prefix, splits_string, num_samples, seq_length, seed, cache_dir):

@@ -91,6 +91,8 @@ def _build():
     """Compiles (or loads from the cache) the extension; returns the module. Raises on failure."""
     from torch.utils import cpp_extension
 
+    from megatron.fused_kernels.build_env import pin_ninja
+    pin_ninja()  # one ninja per environment: another one's .ninja_log format rebuilds everything
     name = f"megatron_fused_kernels_{source_hash()}"
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)

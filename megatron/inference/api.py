@@ -14,6 +14,7 @@ Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 import math
 from dataclasses import dataclass
 
+from megatron.inference.checks import PromptLengthError, check_prompt_length
 from megatron.inference.sampling import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (0 is the documented way)
@@ -307,13 +308,10 @@ def tokenize_prompts(prompts, tokenizer, limits, max_tokens, field="prompt", tok
         bad_ids = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad_ids:
             raise bad(field, f"{where} holds token id {bad_ids[0]}, outside the vocabulary [0, {limits.vocab_size})")
-        if len(ids) >= limits.context:
-            raise bad(field, f"{where} is {len(ids)} tokens long; the model's context is {limits.context} tokens "
-                             f"(prompt + {tokens_field}): shorten the prompt")
-        if len(ids) + max_tokens > limits.context:
-            raise bad(tokens_field, f"{where} ({len(ids)} tokens) plus {tokens_field} ({max_tokens}) exceeds the "
-                                    f"model's context of {limits.context} tokens: ask for at most "
-                                    f"{limits.context - len(ids)} tokens")
+        try:
+            check_prompt_length(len(ids), max_tokens, limits.context, where, tokens_field, field)
+        except PromptLengthError as err:
+            raise bad(err.field, str(err)) from None
         out.append(ids)
     return out
 

@@ -1,7 +1,10 @@
 """What generation and serving load: a checkpoint of any layout (merged in memory) or an HF folder, and its tokenizer;
 the command-line flags tools/generate_text.py and tools/run_text_generation_server.py share to choose it."""
+import os
+
 from megatron.checkpoint.convert import DTYPES
 from megatron.checkpoint.hf import load_any
+from megatron.inference.checks import check_tokenizer_fits_model
 from megatron.tokenizer import build_tokenizer
 
 
@@ -32,11 +35,12 @@ def load_checkpoint_and_tokenizer(path, num_partitions=None, tokenizer_dir=None)
     """(MergedCheckpoint, tokenizer) for --load path; tokenizer_dir overrides the checkpoint's own tokenizer.
     Raises ValueError naming the flag when there is no tokenizer or it does not fit the model's vocabulary."""
     merged = load_any(path, num_partitions)
-    tokenizer_dir = tokenizer_dir or merged.tokenizer_dir
+    own_dir = merged.tokenizer_dir
+    tokenizer_dir = tokenizer_dir or own_dir
     if tokenizer_dir is None:
         raise ValueError(f"--load {path} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
-    if tokenizer.vocab_size > merged.config.vocab_size:
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has {tokenizer.vocab_size} tokens but the model's "
-                         f"vocabulary holds {merged.config.vocab_size}; pass the tokenizer it was trained with")
+    overridden = own_dir is not None and os.path.realpath(own_dir) != os.path.realpath(tokenizer_dir)
+    own = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=own_dir) if overridden else None
+    check_tokenizer_fits_model(tokenizer, tokenizer_dir, merged.config.vocab_size, merged.run_config, own, own_dir)
     return merged, tokenizer

@@ -113,7 +113,7 @@ def _bad_corpus(path, texts):
 def test_bad_records_are_skipped_counted_and_named(tmp_path, texts, tokenizer, caplog):
     data = _bad_corpus(tmp_path / "bad.jsonl", texts)
     with caplog.at_level(logging.WARNING, logger="preprocess_data"):
-        assert _run(data, tmp_path / "out", "--append-eod") == 0
+        assert _run(data, tmp_path / "out", "--append-eod", "--max-skipped-fraction", "0.8") == 0
     assert _documents(tmp_path / "out")[1] == [ids + [tokenizer.eod] for ids in tokenizer.tokenize_batch(texts[:2])]
     summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped")]
     assert summary == [
