@@ -341,6 +341,10 @@ class Config:
             raise ValueError(f"--zero-stage {training.zero_stage} cannot be combined with "
                              f"--pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and "
                              "1; use --zero-stage 1 or --pipeline-model-parallel-size 1")
+        if model.loss_chunk_size > 0 and pp > 1:
+            raise ValueError(f"--loss-chunk-size {model.loss_chunk_size} cannot be combined with "
+                             f"--pipeline-model-parallel-size {pp}: the pipeline's last stage computes the whole "
+                             "logits before its loss function; drop --loss-chunk-size")
         if training.partition_activations and not model.checkpoint_activations:
             raise ValueError("--partition-activations splits the activations that --checkpoint-activations keeps "
                              "across tensor-parallel ranks; add --checkpoint-activations")

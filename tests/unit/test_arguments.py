@@ -141,6 +141,21 @@ def test_cli_stops_before_any_work_with_one_line(doc_args):
     assert "deepspeed" not in proc.stderr.lower().replace("--deepspeed", "")
 
 
+def test_loss_chunk_size_is_refused_under_pipeline_parallelism(doc_args, tmp_path):
+    """The pipeline's last stage computes the whole logits before its loss function, so a chunk size would be
+    silently ignored there: it is refused instead (PP 1 takes it)."""
+    ds = tmp_path / "ok.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": True}}))
+    doc_args = replace(doc_args, "--deepspeed_config", str(ds))
+    with pytest.raises(ValueError) as err:
+        load(doc_args + ["--loss-chunk-size", "4096"], 8)
+    assert str(err.value) == ("--loss-chunk-size 4096 cannot be combined with --pipeline-model-parallel-size 2: the "
+                              "pipeline's last stage computes the whole logits before its loss function; drop "
+                              "--loss-chunk-size")
+    config, _, _ = load(replace(doc_args, "--pipe-parallel-size", "1") + ["--loss-chunk-size", "4096"], 4)
+    assert config.model.loss_chunk_size == 4096
+
+
 def test_partition_activations_needs_checkpointing(doc_args, tmp_path):
     ds = tmp_path / "ok.json"
     ds.write_text(json.dumps({"bf16": {"enabled": True}}))
