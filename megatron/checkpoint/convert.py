@@ -320,14 +320,6 @@ def read_shard_for(reader, names, tp_rank, tp, dtype=None):
     return shard
 
 
-def split_weights(weights, config, tp, pp, tp_flag="--target-tensor-parallel-size",
-                  pp_flag="--target-pipeline-parallel-size"):
-    """{(tp_rank, pp_rank): {"weights", "partition_dims"}} in our shard format for a TP x PP layout."""
-    stages = stage_names(config, tp, pp, tp_flag, pp_flag)
-    reader = as_reader(weights)
-    return {(t, p): read_shard_for(reader, stages[p], t, tp) for t in range(tp) for p in range(pp)}
-
-
 def cast_weights(weights, dtype):
     return {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
 

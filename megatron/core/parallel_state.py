@@ -10,7 +10,9 @@ TP=2, PP=4 (so DP=2):
     DP groups (8):  [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
     PP groups (4):  [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
     model-parallel groups (TP x PP, 2): [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]
-    embedding groups (first + last stage of each pipeline): [0,12] [1,13] [2,14] [3,15]
+
+The tied embedding of the first and last pipeline stages is kept in step by DeepSpeed's PipelineModule (its tied
+layer groups), so no embedding group is built here.
 
 The getters keep Megatron's names (get_tensor_model_parallel_rank, ...) and read the single state.
 Without torch.distributed (one process, e.g. a parity test) everything reports size 1, rank 0.
@@ -63,9 +65,7 @@ class ParallelState:
     pp_group: Optional[object] = None
     dp_group: Optional[object] = None
     mp_group: Optional[object] = None
-    embedding_group: Optional[object] = None
     pp_ranks: tuple = (0,)
-    embedding_ranks: tuple = (0,)
     dp_ranks: tuple = (0,)
     tp_ranks: tuple = (0,)
 
@@ -96,7 +96,6 @@ def group_layout(world_size, tp, pp):
         "pp": [[rank_of(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)],
         "mp": [[rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)] for d in range(dp)],
     }
-    layout["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in layout["pp"]]
     return layout
 
 
@@ -127,8 +126,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     _STATE = ParallelState(
         world_size=world_size, rank=rank, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         data_parallel_size=dp, tp_group=mine["tp"][0], pp_group=mine["pp"][0], dp_group=mine["dp"][0],
-        mp_group=mine["mp"][0], embedding_group=mine["embedding"][0], pp_ranks=mine["pp"][1],
-        embedding_ranks=mine["embedding"][1], dp_ranks=mine["dp"][1], tp_ranks=mine["tp"][1])
+        mp_group=mine["mp"][0], pp_ranks=mine["pp"][1], dp_ranks=mine["dp"][1], tp_ranks=mine["tp"][1])
     _INITIALIZED = True
     return _STATE
 
@@ -158,11 +156,6 @@ def get_tensor_model_parallel_world_size():
 
 def get_tensor_model_parallel_rank():
     return _STATE.tp_rank
-
-
-def get_tensor_model_parallel_src_rank():
-    """Global rank of TP rank 0 in this process's TP group."""
-    return _STATE.tp_ranks[0]
 
 
 def get_pipeline_model_parallel_group():
@@ -200,10 +193,6 @@ def get_data_parallel_rank():
 def get_model_parallel_group():
     """The TP x PP group of this data-parallel replica (Megatron's meaning)."""
     return _STATE.mp_group
-
-
-def get_embedding_group():
-    return _STATE.embedding_group
 
 
 # DeepSpeed's `mpu` protocol: it asks for the model-parallel rank/size/group meaning tensor parallel.

@@ -8,7 +8,6 @@ The plain eager path that the engine (megatron/inference/engine.py) is checked a
 ALiBi depends only on key positions relative to the query, and padded keys are masked out, so a left-padded
 row produces the same tokens as the same prompt alone (tests/unit/test_generation.py checks it).
 """
-import time
 
 import torch
 
@@ -65,15 +64,3 @@ def generate(model, prompts, params, eod_id, pad_id, generator=None, vocab_limit
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
         logits = model(tokens[:, None], attention_mask=mask if padded else None, cache=cache)[:, -1]
     return outputs
-
-
-def generate_batches(model, prompts, params, eod_id, pad_id, batch_size=1, seed=1234, vocab_limit=None,
-                     sync_tokens=None):
-    """generate() over prompts in batches of batch_size. Returns (outputs, generated tokens, seconds)."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    outputs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        outputs += generate(model, prompts[i:i + batch_size], params, eod_id, pad_id, generator, vocab_limit,
-                            sync_tokens)
-    seconds = time.perf_counter() - start
-    return outputs, sum(len(o) for o in outputs), seconds
