@@ -144,14 +144,17 @@ def single_rank():
 
 
 def fake_config(root, keep=None):
-    return SimpleNamespace(
-        checkpoint=SimpleNamespace(save=str(root), keep_last_n_checkpoints=keep, no_save_optim=False),
-        model=SimpleNamespace(num_layers=1), training=SimpleNamespace(zero_stage=0),
-        precision=SimpleNamespace(name="fp32"))
+    """A real resolved Config (what save writes as config.json) of a one-layer run saving to root."""
+    from megatron.arguments import load_and_resolve
+    args = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--mock-vocab-size", "64", "--save", str(root)]
+    if keep is not None:
+        args += ["--keep-last-n-checkpoints", str(keep)]
+    return load_and_resolve(args, world_size=1)[0]
 
 
 def test_save_is_atomic_removes_stale_tmp_and_prunes_after_completion(tmp_path, single_rank, monkeypatch):
-    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine, config = FakeEngine(), fake_config(tmp_path, keep=2)
     os.makedirs(tmp_path / ".tmp_iter_0000003")  # left by a crash
     for it in (1, 2, 3):
@@ -162,7 +165,6 @@ def test_save_is_atomic_removes_stale_tmp_and_prunes_after_completion(tmp_path, 
 
 
 def test_failed_save_leaves_latest_and_previous_checkpoint(tmp_path, single_rank, monkeypatch):
-    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine, config = FakeEngine(), fake_config(tmp_path, keep=1)
     save.save_checkpoint(engine, config, single_rank, 2, 16)
     before = sorted(os.listdir(tmp_path / "iter_0000002"))
@@ -196,12 +198,15 @@ def test_checkpoint_bytes():
 
 
 def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, single_rank, monkeypatch):
-    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     engine = FakeEngine(steps=2)
     folder = save.save_checkpoint(engine, fake_config(tmp_path), single_rank, 2, 16)
     assert sorted(os.listdir(folder)) == ["config.json", "index_tp00_pp000_dp00000.json", "manifest.json",
                                           "meta.json", "model_tp00_pp000.pt", "optimizer_tp00_pp000_dp00000.pt",
                                           "rng_rank00000.pt"]
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    assert (saved["model"]["num_layers"], saved["model"]["hidden_size"], saved["checkpoint"]["save"]) == (
+        1, 8, str(tmp_path))
     with open(os.path.join(folder, "index_tp00_pp000_dp00000.json")) as f:
         index = json.load(f)
     assert index == {"version": 1, "step": 2.0, "params": {  # where each parameter's state lies in the .pt
@@ -344,7 +349,6 @@ def test_per_parameter_restore_equals_the_saved_state_and_records_the_layers_dim
     engine through it (the path a layout change takes) gives the trained optimizer state bit for bit, and the
     next step is the same step."""
     from megatron.checkpoint.saved_optimizer import SavedOptimizer
-    monkeypatch.setattr(save.dataclasses, "asdict", lambda config: {"fake": True})
     trained, fresh = FakeEngine(steps=3, module=TPModule), FakeEngine(module=TPModule)
     folder = save.save_checkpoint(trained, fake_config(tmp_path), single_rank, 3, 6)
     meta = {**read_meta(folder), "data_parallel_size": 1}
