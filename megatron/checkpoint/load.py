@@ -3,14 +3,15 @@
 Same layout (TP, PP, DP, ZeRO stage, precision): the weights from the model shards, then each rank's optimizer
 file loaded into the same wrapper (megatron/checkpoint/optimizer_state.py): the exact path.
 
-Another layout (same precision): the weights are merged along each tensor's partition dim and re-split for this
+Another layout (or precision): the weights are merged along each tensor's partition dim and re-split for this
 run's TP rank; the optimizer state is read per parameter through the index files (megatron/checkpoint/
 saved_optimizer.py), whatever wrapper wrote it, and written into this run's wrapper (optimizer_state.
 restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
 over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
 Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/universal.py: meta.json's
 "optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files,
-or a precision change, load the weights alone and restart the optimizer (a warning). Checkpoints written before
+load the weights alone and restart the optimizer (a warning); a precision change takes the per-parameter
+path (fp32 moments, and the fp32 master where one was saved). Checkpoints written before
 this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
 engine.load_checkpoint.
 """
@@ -166,7 +167,7 @@ def load_checkpoint(engine, config, state):
                    meta.get("zero_stage", config.training.zero_stage) == config.training.zero_stage and
                    meta.get("precision", config.precision.name) == config.precision.name)
     layout_change = not ckpt.finetune and not same_layout and not ckpt.no_load_optim and \
-        meta.get("precision") == config.precision.name and has_parameter_index(folder, meta)
+        has_parameter_index(folder, meta)  # a precision change too: the index holds fp32 moments (and master)
     if layout_change:
         load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
         _restore_on_new_layout(engine, folder, meta, config, state)

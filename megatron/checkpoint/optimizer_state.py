@@ -318,6 +318,8 @@ def restore_from_parameters(engine, source, num_layers, pp_rank, tp, tp_rank):
                 safe_set_full_optimizer_state(param, piece(name, key).to(param.device), key)
     elif isinstance(optimizer, torch.optim.Optimizer):
         for name, param in named:
+            if with_fp32:  # a bf16/fp16 checkpoint resumed in fp32: its master, not the rounded weights
+                param.data.copy_(piece(name, "fp32"))
             optimizer.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
                                       **{key: piece(name, key).to(param) for key in KEYS}}
     else:  # FP16_UnfusedOptimizer
