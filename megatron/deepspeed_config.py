@@ -201,8 +201,12 @@ def reconcile(values, user, data_parallel_size):
                 f"size {dp} = {gas * per_step} differs from {global_name}; {fix}")
     values["global_batch_size"] = global_batch
 
-    values["bf16"] = values["bf16"] or user.get("bf16", {}).get("enabled", False)
-    values["fp16"] = values["fp16"] or user.get("fp16", {}).get("enabled", False)
+    for name in ("bf16", "fp16"):  # the JSON's enabled (true/false; "auto" follows the flag) or the flag
+        enabled = user.get(name, {}).get("enabled", "auto")
+        if enabled is False and values[name]:
+            raise _disagree(f"{name}.enabled", "false", f"--{name}", "(set)", f"drop --{name} or set {name}.enabled "
+                            "to true (or remove it) in the JSON")
+        values[name] = values[name] or enabled is True
 
     zero = user.get("zero_optimization", {})
     stage = zero.get("stage")
@@ -211,8 +215,15 @@ def reconcile(values, user, data_parallel_size):
                         "make them equal or drop one")
     if values["zero_stage"] is None:
         values["zero_stage"] = stage
-    offload = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    values["cpu_offload"] = values["cpu_offload"] or offload
+    device = zero.get("offload_optimizer", {}).get("device")
+    if device == "nvme":
+        raise ValueError("DeepSpeed config zero_optimization.offload_optimizer.device=nvme is not supported: the "
+                         "optimizer is built from the flags (torch's AdamW), which ZeRO can offload to the CPU only; "
+                         "set the device to cpu (or pass --cpu-offload and drop offload_optimizer)")
+    if device == "none" and values["cpu_offload"]:
+        raise _disagree("zero_optimization.offload_optimizer.device", "none", "--cpu-offload", "(set)",
+                        "drop --cpu-offload or set the device to cpu")
+    values["cpu_offload"] = values["cpu_offload"] or device == "cpu"
 
     params = user.get("optimizer", {}).get("params", {})
     flag_values = {"lr": ("--lr", values["lr"]), "weight_decay": ("--weight-decay", values["weight_decay"]),

@@ -50,7 +50,21 @@ def test_json_key_contradicting_a_command_line_flag(user, message):
     ([], {"optimizer": {"type": "Adam", "params": {"lr": 0.1}}},
      "DeepSpeed config optimizer.params.lr=0.1 contradicts --lr 0.001; the optimizer is built from the flags: make "
      "them equal or drop the optimizer section"),
-], ids=["zero", "clip", "global-batch", "micro-batch", "optimizer"])
+    (["--bf16"], {"bf16": {"enabled": False}},
+     "DeepSpeed config bf16.enabled=false contradicts --bf16 (set); drop --bf16 or set bf16.enabled to true (or "
+     "remove it) in the JSON"),
+    (["--fp16"], {"fp16": {"enabled": False}},
+     "DeepSpeed config fp16.enabled=false contradicts --fp16 (set); drop --fp16 or set fp16.enabled to true (or "
+     "remove it) in the JSON"),
+    ([], {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
+     "DeepSpeed config zero_optimization.offload_optimizer.device=nvme is not supported: the optimizer is built "
+     "from the flags (torch's AdamW), which ZeRO can offload to the CPU only; set the device to cpu (or pass "
+     "--cpu-offload and drop offload_optimizer)"),
+    (["--cpu-offload"], {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}},
+     "DeepSpeed config zero_optimization.offload_optimizer.device=none contradicts --cpu-offload (set); drop "
+     "--cpu-offload or set the device to cpu"),
+], ids=["zero", "clip", "global-batch", "micro-batch", "optimizer", "bf16-disabled", "fp16-disabled", "nvme",
+        "offload-none"])
 def test_deepspeed_key_contradicting_a_flag(extra, user, message):
     values, _ = merge_json_flags(parse_args(FLAGS + extra), user, "ds.json")
     with pytest.raises(ValueError) as err:
@@ -72,6 +86,12 @@ def test_unknown_key_warns_once_with_a_close_match(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="megatron"):
         log_notes(notes)
     assert caplog.records == []
+
+
+def test_json_precision_auto_follows_the_flags():
+    for flags, want in (([], ("fp32", False)), (["--bf16"], ("bf16", True))):
+        config, ds = resolve(parse_args(FLAGS + flags), 1, {"bf16": {"enabled": "auto"}}, None, None)
+        assert (config.precision.name, ds["bf16"]["enabled"]) == want
 
 
 def test_built_dict_from_flags_and_json():
