@@ -231,8 +231,9 @@ def _restore_on_new_layout(engine, folder, meta, config, state):
 
 
 def _warn_schedule_change(engine, folder, config):
-    if config.upstream.override_lr_scheduler or config.upstream.use_checkpoint_lr_scheduler:
-        return  # the user chose where the schedule comes from
+    if config.upstream.override_lr_scheduler or config.upstream.use_checkpoint_lr_scheduler or \
+            config.upstream.sample_based_schedule:
+        return  # the user chose where the schedule comes from; a sample-based one is not in iterations
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         message = schedule_change_message(read_saved_config(folder), config, scheduler.num_steps)
