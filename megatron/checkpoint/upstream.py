@@ -317,8 +317,9 @@ class UpstreamOptimizer:
             state = self._files.get(path)
             mappings = state.get("param_slice_mappings")
             if mappings is None:
-                raise CheckpointError(f"{path} has no param_slice_mappings (a DeepSpeed older than 0.7); convert the "
-                                      "weights alone with tools/convert_checkpoint.py --no-optimizer-state")
+                raise CheckpointError(f"{path} has no param_slice_mappings (written by a DeepSpeed older than 0.7): "
+                                      "its optimizer state cannot be placed per parameter; resume with --no-load-optim "
+                                      "or convert with tools/convert_checkpoint.py --no-optimizer-state")
             base = state["base_optimizer_state"]
             groups = base["state"] if isinstance(base, dict) else dict(enumerate(base))
             for group, mapping in enumerate(mappings):
