@@ -11,7 +11,7 @@ word_embeddings.weight and word_embeddings.norm.{weight,bias}, BigScience's embe
 checkpoint continues this one. The run trains with the same data, schedule and optimizer as pretrain_bloom.py
 with the same flags (its Trainer, on DeepSpeed's pipeline engine); at iteration K it saves DIR/global_stepK with
 Megatron's client state (args, iteration) and writes OUT/logits.pt (the full-vocabulary logits of a fixed input at
-that point); at the end OUT/losses.json (iteration -> loss of every iteration).
+that point, with one pipeline stage); at the end OUT/losses.json (iteration -> loss of every iteration).
 """
 import argparse
 import json
@@ -23,6 +23,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+
+# What Microsoft's Megatron-DeepSpeed records for DeepSpeed's ds_to_universal (its GPTModelPipe's patterns for BLOOM).
+_REPLICATED = [r"tied_modules.embed.word_embeddings.norm.weight", r"tied_modules.embed.word_embeddings.norm.bias",
+               r"\d+.input_layernorm.weight", r"\d+.input_layernorm.bias", r"\d+.post_attention_layernorm.weight",
+               r"\d+.post_attention_layernorm.bias", r"\d+.self_attention.dense.bias", r"\d+.mlp.dense_4h_to_h.bias",
+               r"\d+.weight", r"\d+.bias"]
+UNIVERSAL_INFO = {
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": _REPLICATED,
+    "parameter_to_average_patterns": _REPLICATED,
+    "parameter_with_row_parallelism_patterns": [r"\d+.mlp.dense_4h_to_h.weight", r"\d+.self_attention.dense.weight"],
+    "vocabulary_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight"],
+    "pipeline_replicated_parameter_patterns": [r"tied_modules.embed.word_embeddings.weight",
+                                               r"tied_modules.embed.word_embeddings.norm.weight",
+                                               r"tied_modules.embed.word_embeddings.norm.bias"],
+}
 
 
 def _cast(x):
@@ -110,7 +127,10 @@ def main():
                 consumed_train_samples=trainer.progress.consumed_samples, iteration=iteration)
             engine.save_checkpoint(ours.upstream_save, tag=f"global_step{iteration}", client_state={
                 "args": megatron_args, "iteration": iteration, "checkpoint_version": 3.0,
-                "tokens": trainer.progress.consumed_samples * model.seq_length})
+                "tokens": trainer.progress.consumed_samples * model.seq_length,
+                "universal_checkpoint_info": {**UNIVERSAL_INFO, "original_vocab_size": tokenizer.vocab_size}})
+            if state.pipeline_model_parallel_size > 1:
+                return  # the logits need the whole model on one stage
             engine.module.eval()
             with torch.no_grad():
                 ids = (torch.arange(2 * model.seq_length).view(2, -1) * 7 + 3) % 200

@@ -253,8 +253,11 @@ class UpstreamCheckpoint:
             if canonical is None:
                 continue
             path = os.path.join(zero, name, "fp32.pt")
-            tensor = self._files.get(path)["param"]
-            self._where[canonical] = ([path], "param", None, tuple(tensor.shape))
+            shape = tuple(self._files.get(path)["param"].shape)
+            padded = getattr(self.args, "padded_vocab_size", None)
+            if canonical == "embedding.word_embeddings.weight" and padded and padded > shape[0]:
+                shape = (padded,) + shape[1:]  # ds_to_universal strips the vocabulary padding: zeros again here
+            self._where[canonical] = ([path], "param", None, shape)
             self.universal_paths[canonical] = os.path.join(zero, name)
         self.dtype = torch.float32
         self._files.close()
@@ -265,6 +268,8 @@ class UpstreamCheckpoint:
         paths, key, dim, shape = self._where[name]
         pieces = [self._files.get(path)[key] for path in paths]
         ranges = window_ranges(shape, rows, cols)
+        if self.universal and pieces[0].shape[0] < shape[0]:  # a universal checkpoint's unpadded vocabulary: padding rows are zeros
+            return pad_rows(pieces[0], shape[0], ranges, dtype)
         if dim is None:
             views = [narrow(piece, ranges) for piece in pieces]
             self._files.charge(sum(span_bytes(v) for v in views))
@@ -381,8 +386,9 @@ class UniversalOptimizer:
                         if os.path.isfile(os.path.join(path, "exp_avg.pt"))}
         step_path = next((os.path.join(p, "step.pt") for p in checkpoint.universal_paths.values()
                           if os.path.isfile(os.path.join(p, "step.pt"))), None)
-        self.step = float(_load(step_path, mmap=False)["param"]) if step_path else (
-            float(checkpoint.global_steps) if self.entries else None)
+        step = _load(step_path, mmap=False) if step_path else None  # a tensor, or {"param": tensor}
+        step = step["param"] if isinstance(step, dict) else step
+        self.step = float(step) if step is not None else (float(checkpoint.global_steps) if self.entries else None)
 
     def names(self):
         return sorted(self.entries)
@@ -395,7 +401,23 @@ class UniversalOptimizer:
 
     def full(self, name, key, dim=None):
         tensor = _load(os.path.join(self.checkpoint.universal_paths[name], f"{key}.pt"))["param"]
-        return tensor.float().clone().view(self.checkpoint.shapes[name])
+        shape = self.checkpoint.shapes[name]
+        if tensor.shape[0] < shape[0]:
+            return pad_rows(tensor, shape[0], [None] * len(shape), torch.float32)
+        return tensor.float().clone().view(shape)
+
+
+def pad_rows(tensor, rows, ranges, dtype):
+    """The window `ranges` of `tensor` grown to `rows` rows with zeros (the vocabulary padding ds_to_universal
+    strips), as a new tensor in dtype (None keeps the tensor's)."""
+    start, stop = ranges[0] if ranges[0] is not None else (0, rows)
+    cols = ranges[1] if len(ranges) > 1 else None
+    tail = narrow(tensor, [None, cols] if len(ranges) > 1 else [None])
+    out = torch.zeros((stop - start,) + tuple(tail.shape[1:]), dtype=dtype or tensor.dtype)
+    have = max(0, min(stop, tensor.shape[0]) - start)
+    if have:
+        out[:have] = tail[start:start + have]
+    return out
 
 
 # ---------------------------------------------------------------- what --load names

@@ -11,11 +11,15 @@ continued to iteration 6 uninterrupted: the reference. Then:
 - tools/convert_checkpoint.py writes it as TP 1 x PP 2 in this project's format, whose optimizer state equals the
   upstream ZeRO fragments (read here from the files directly), and tools/merge_mp_partitions.py makes a Hugging Face
   folder whose fp32 logits equal the upstream model's at iteration 3 (max difference measured 2.4e-7: TP 2 vs 1);
+- DeepSpeed's own ds_to_universal turns it into a universal checkpoint (latest_universal, zero/<param>/*.pt, the
+  vocabulary padding stripped); tools/convert_checkpoint.py --universal-checkpoint converts that to the same
+  weights and optimizer state as the direct conversion (the padding rows zero again);
 - a folder in neither format stops the tool and training with one line, exit 2.
 """
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,6 +124,7 @@ def test_convert_to_our_format_and_to_hf(upstream_run, tmp_path):
                 part = whole if dim is None else whole.chunk(2, dim)[t]
                 assert torch.equal(part.reshape(-1), expected), (name, key, t)
         assert tuple(whole.shape) == {1: (hidden, hidden), 0: (4 * hidden, hidden), None: (hidden,)}[dim]
+    _universal_converts_the_same(root, folder, tmp_path)
     run_tool("tools/merge_mp_partitions.py", ["--model-type", "bloom", "--model-path", tmp_path / "ours",
                                               "--output-path", tmp_path / "hf"])
     model = BloomForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
@@ -127,6 +132,32 @@ def test_convert_to_our_format_and_to_hf(upstream_run, tmp_path):
     with torch.no_grad():
         logits = model(reference["input_ids"]).logits
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+
+
+def _universal_converts_the_same(root, direct, tmp_path):
+    from megatron.checkpoint.convert import CheckpointReader
+    from megatron.checkpoint.format import read_meta
+    from megatron.checkpoint.saved_optimizer import SavedOptimizer
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(root / f"global_step{AT}"), "--output_folder", str(root / f"global_step{AT}_universal"),
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"], env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_tool("tools/convert_checkpoint.py", ["--load", root, "--save", tmp_path / "universal", "--universal-checkpoint",
+                                             "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
+                                             "1"])
+    ours, theirs = CheckpointReader(str(tmp_path / "universal")), CheckpointReader(str(direct))
+    states = [SavedOptimizer(r.folder, {**read_meta(r.folder), "data_parallel_size": 1}) for r in (ours, theirs)]
+    assert states[0].names() == states[1].names() and len(states[0].names()) == 53
+    vocab = 8000  # the tokenizer's: ds_to_universal keeps original_vocab_size rows of the embedding
+    for name in theirs.shapes:
+        pairs = [(ours.read(name), theirs.read(name))] + [
+            (states[0].full(name, key), states[1].full(name, key)) for key in ("fp32", "exp_avg", "exp_avg_sq")]
+        for got, expected in pairs:
+            if name == "embedding.word_embeddings.weight":
+                assert torch.equal(got[:vocab], expected[:vocab]) and not got[vocab:].any()
+            else:
+                assert torch.equal(got, expected), name
 
 
 def test_a_folder_in_neither_format_is_named_in_one_line(tmp_path, sample_data):
