@@ -117,7 +117,7 @@ def sync_tp_duplicated_parameters(engine, tp_group):
         for param in engine.module.parameters():
             if getattr(param, "tensor_model_parallel", False):
                 continue
-            if hasattr(param, "_hp_mapping") and param._hp_mapping is not None:
+            if hasattr(param, "_hp_mapping"):  # collective over DP (also where this rank holds no fragment)
                 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
                 master = safe_get_full_fp32_param(param)
                 dist.all_reduce(master, group=tp_group)

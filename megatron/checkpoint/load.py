@@ -12,7 +12,8 @@ Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/
 "optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files,
 or a precision change, load the weights alone and restart the optimizer (a warning). Checkpoints written before
 this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
-engine.load_checkpoint.
+engine.load_checkpoint. An upstream Megatron-DeepSpeed folder (global_stepN/, megatron/checkpoint/upstream.py) is
+resumed by upstream_resume.py.
 """
 import dataclasses
 import logging
