@@ -130,9 +130,49 @@ def canonical_from_layers(layer_keys):
     return mapping
 
 
+_MODULE_RE = re.compile(r"^(?:module\.)?(?:language_model\.)?(?:(embedding)\.(word_embeddings\.weight|"
+                        r"word_embeddings\.norm\.(?:weight|bias)|word_embeddings_layernorm\.(?:weight|bias))|"
+                        r"(?:encoder|transformer)\.(?:layers\.(\d+)\.(.+)|final_layernorm\.(weight|bias)))$")
+
+
+def module_canonical(key):
+    """A non-pipeline GPTModel's state-dict key (language_model.embedding.word_embeddings.weight,
+    language_model.encoder.layers.0.input_layernorm.weight, ...encoder.final_layernorm.bias) -> canonical name."""
+    match = _MODULE_RE.match(key)
+    if match is None:
+        return None
+    embedding, embedding_key, layer, layer_key, final_key = match.groups()
+    if embedding:
+        return _EMBEDDING_KEYS[embedding_key]
+    if layer is not None:
+        return f"layers.{layer}.{layer_key}" if layer_key in _BLOCK_KEYS else None
+    return f"final_layernorm.{final_key}"
+
+
+def _flatten(tree, prefix=""):
+    """{"a": {"b": t}} -> {"a.b": t} (Megatron's nested module state dicts)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            flat[prefix + key] = value
+    return flat
+
+
+def _open_weights(path):
+    """The tensors of a weight file: a layer file's state dict, or an mp_rank file's `module`, flattened."""
+    if MP_RE.match(os.path.basename(path)):
+        return _flatten(_load(path, weights_only=False)["module"])
+    return _load(path)
+
+
 def canonical_param_name(name, by_layer):
     """A PipelineModule parameter name in an upstream ZeRO file or universal folder (tied_modules.embed.word_embeddings
-    .weight, 3.input_layernorm.weight, 7.weight) -> canonical name, or None for a name that is no model weight."""
+    .weight, 3.input_layernorm.weight, 7.weight) -> canonical name, or None for a name that is no model weight; also
+    a non-pipeline GPTModel's names (module_canonical)."""
+    if not re.match(r"^\d+\.", name) and not name.startswith("tied_modules.") and module_canonical(name):
+        return module_canonical(name)
     if name.startswith("tied_modules."):
         rest = name.split(".", 2)[2]
         return _EMBEDDING_KEYS.get(rest)
@@ -192,7 +232,7 @@ class UpstreamCheckpoint:
         self.consumed_samples = int(consumed if consumed is not None else record.get("global_samples") or 0)
         self.lr_scheduler = record.get("lr_scheduler")
         self.skipped_steps = int(record.get("skipped_steps") or 0)
-        self._files = OpenFiles(lambda path: _load(path))
+        self._files = OpenFiles(_open_weights)
         self._where = {}  # canonical name -> (files by TP rank, upstream key, partition dim or None)
         if self.universal:
             self._scan_universal()
@@ -212,9 +252,7 @@ class UpstreamCheckpoint:
                 layers.setdefault(int(match.group(1)), {})[int(match.group(2))] = os.path.join(self.folder, name)
         if not layers:
             if isinstance(record.get("module"), dict):
-                raise CheckpointError(f"{self.folder}: the weights are in mp_rank_XX_model_states.pt's `module` (a run "
-                                      "without a PipelineModule); only the pipeline layout (layer_XX-model_YY files, "
-                                      "what BLOOM used) is read here")
+                return self._scan_module(names)
             raise CheckpointError(f"{self.folder} holds no layer_XX-model_YY-model_states.pt files; the upstream "
                                   "checkpoint is incomplete")
         self.tp = len(layers[min(layers)])
@@ -235,6 +273,30 @@ class UpstreamCheckpoint:
                 self._where[canonical] = (paths, key, dim, tuple(shape))
                 if canonical == "embedding.word_embeddings.weight":
                     self.dtype = first[key].dtype
+        self._files.close()
+
+    def _scan_module(self, names):
+        """A run without a PipelineModule (--no-pipeline-parallel): each mp_rank_XX file's `module` holds TP rank XX's
+        whole model under GPTModel's names (language_model.embedding..., language_model.encoder.layers.N...)."""
+        paths = [os.path.join(self.folder, n) for n in sorted((n for n in names if MP_RE.match(n)),
+                                                              key=lambda n: int(MP_RE.match(n).group(1)))]
+        self.tp, self.by_layer = len(paths), {}
+        first = self._files.get(paths[0])
+        unknown = [k for k in first if module_canonical(k) is None and not _IGNORED.search(k)]
+        if unknown:
+            raise CheckpointError(f"{paths[0]}: `module` keys {unknown[:4]} are not those of a BLOOM GPTModel in the "
+                                  "upstream Megatron-DeepSpeed layout")
+        for key, tensor in first.items():
+            canonical = module_canonical(key)
+            if canonical is None:
+                continue
+            dim = partition_dim(canonical) if self.tp > 1 else None
+            shape = list(tensor.shape)
+            if dim is not None:
+                shape[dim] *= self.tp
+            self._where[canonical] = (paths, key, dim, tuple(shape))
+            if canonical == "embedding.word_embeddings.weight":
+                self.dtype = tensor.dtype
         self._files.close()
 
     def _scan_universal(self):
@@ -459,6 +521,11 @@ def classify_load(path, universal=False):
             if "word_embeddings.weight" in keys:
                 return "upstream", {"vocab_size": int(keys["word_embeddings.weight"].shape[0]) * len(
                     [n for n in os.listdir(folder) if n.startswith(name.split("-")[0] + "-")])}
+        mp_files = sorted(n for n in os.listdir(folder) if MP_RE.match(n))
+        if not layers and mp_files and not is_universal(folder):  # a non-pipeline run: the weights in `module`
+            weights = _open_weights(os.path.join(folder, mp_files[0]))
+            rows = [t.shape[0] for k, t in weights.items() if module_canonical(k) == "embedding.word_embeddings.weight"]
+            return "upstream", ({"vocab_size": rows[0] * len(mp_files)} if rows else None)
         return "upstream", None
     names = os.listdir(path)
     base = os.path.basename(os.path.normpath(path))

@@ -1,5 +1,7 @@
 """BigScience tr11 flags (megatron/upstream_compat.py, arguments._add_upstream_compat_args) and the upstream checkpoint
 name mapping (megatron/checkpoint/upstream.py): pure rules, values worked by hand in the comments."""
+import argparse
+
 import pytest
 import torch
 
@@ -165,3 +167,50 @@ def test_load_folders_that_hold_nothing_yet_start_from_scratch(tmp_path):
         f"--load {hf} is a Hugging Face model folder, not a training checkpoint; convert it first: python "
         f"tools/convert_hf_to_megatron.py --hf-model-path {hf} --output-path {hf}_megatron, then --load "
         f"{hf}_megatron --finetune")
+
+
+def test_a_non_pipeline_upstream_checkpoint_reads_and_converts(tmp_path):
+    """mp_rank_XX_model_states.pt holding GPTModel's nested `module` per TP rank (a run without a PipelineModule):
+    merged along the partition dims, TP copies averaged, converted to this project's format (weights alone)."""
+    from megatron.checkpoint import universal
+    from megatron.checkpoint.convert import CheckpointReader
+    from megatron.checkpoint.format import expected_shapes, partition_dim
+    from megatron.checkpoint.upstream import UpstreamCheckpoint, locate
+    from megatron.config import ModelConfig
+    config = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=32, seq_length=8)
+    generator = torch.Generator().manual_seed(0)
+    whole = {name: torch.randn(shape, generator=generator) for name, shape in expected_shapes(config).items()}
+    copies = {}  # the replicated tensors' second TP copy: it drifted by +1
+    folder = tmp_path / "global_step7"
+    folder.mkdir()
+    (tmp_path / "latest").write_text("global_step7")
+    for t in (0, 1):
+        embedding, encoder = {}, {}
+        for name, tensor in whole.items():
+            dim = partition_dim(name)
+            piece = tensor.chunk(2, dim)[t].clone() if dim is not None else tensor + t
+            if dim is None and t:
+                copies[name] = piece
+            if name == "embedding.word_embeddings.weight":
+                embedding["word_embeddings"] = {"weight": piece}
+            elif name.startswith("embedding."):
+                embedding.setdefault("word_embeddings", {}).setdefault("norm", {})[name.rsplit(".", 1)[1]] = piece
+            else:
+                encoder[name] = piece  # layers.N.* and final_layernorm.*: Megatron's flat encoder keys
+        args = argparse.Namespace(num_attention_heads=2, seq_length=8, consumed_train_samples=56,
+                                  tensor_model_parallel_size=2)
+        torch.save({"module": {"language_model": {"embedding": embedding, "encoder": encoder}}, "args": args,
+                    "iteration": 7}, folder / f"mp_rank_{t:02d}_model_states.pt")
+    assert locate(str(tmp_path)) == str(folder)
+    assert classify_load(str(tmp_path)) == ("upstream", {"vocab_size": 32})
+    checkpoint = UpstreamCheckpoint(str(folder))
+    assert (checkpoint.iteration, checkpoint.consumed_samples, checkpoint.config.num_layers) == (7, 56, 2)
+    for name, tensor in whole.items():
+        expected = tensor + 0.5 if name in copies else tensor  # the mean of the copies
+        assert torch.allclose(checkpoint.read(name), expected, rtol=0, atol=1e-6), name
+    assert checkpoint.optimizer() is None
+    _, out, count = universal.convert_upstream_checkpoint(str(folder), str(tmp_path / "ours"), 1, 2)
+    reader = CheckpointReader(out)
+    assert count == 0 and reader.iteration == 7
+    for name, tensor in whole.items():
+        assert torch.allclose(reader.read(name), checkpoint.read(name), rtol=0, atol=0), name
