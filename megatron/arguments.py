@@ -17,7 +17,8 @@ import logging
 import os
 
 from megatron.config import (ATTENTION_IMPLS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
-                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig, pad_vocab_size)
+                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig, UpstreamConfig,
+                             pad_vocab_size)
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 _REQUIRED_HELP = "required (here or in the DeepSpeed JSON)"
@@ -160,6 +161,48 @@ def _logging_checkpoint_flags(parser):
     g.add_argument("--strict-load", action="store_true", help="stop instead of falling back to an older checkpoint")
 
 
+def _add_upstream_compat_args(parser):
+    """BigScience's Megatron-DeepSpeed flags that BLOOM's tr11 recipe passes (megatron/upstream_compat.py)."""
+    g = parser.add_argument_group("upstream Megatron-DeepSpeed (BLOOM tr11 recipe)")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="LR decay over this many consumed samples (sample-based schedule; default --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="linear LR warmup over this many samples")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT evenly over SAMPLES consumed samples "
+                        "(needs --train-samples)")
+    g.add_argument("--kill-switch-path", default=None,
+                   help="when this file exists (checked before each iteration), exit 0 at once without saving")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="tensorboard events kept in memory before a write")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="the global batch per step as the tensorboard scalar train/global_batch_size (always on here)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="validation perplexity as the tensorboard scalar valid/ppl (always on here)")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="accepted: the per-iteration timing (ms_per_iteration) is always a tensorboard scalar here")
+    g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
+                   help="after each step, average over TP the parameters every TP rank holds (LayerNorms, "
+                        "row-parallel biases) and their fp32 masters")
+    g.add_argument("--universal-checkpoint", action="store_true",
+                   help="--load an upstream folder's universal checkpoint (latest_universal); this project's own "
+                        "checkpoints load on any layout without it")
+    g.add_argument("--pp-partition-method", default="type:transformer",
+                   help="how layers are split over pipeline stages: type:transformer (default), "
+                        "type:transformer|embedding (BLOOM's), parameters, uniform")
+    g.add_argument("--override-lr-scheduler", action="store_true",
+                   help="on resume take the LR schedule from the flags (this project's default) and say nothing of "
+                        "the checkpoint's")
+    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+                   help="on resume take the LR schedule (lr, min lr, warmup, decay, style) from the checkpoint")
+    g.add_argument("--eval-only", action="store_true",
+                   help="evaluate --eval-iters batches of the validation split and exit, without training")
+    g.add_argument("--checkpoint-num-layers", type=int, default=1,
+                   help="transformer layers per activation-checkpoint chunk (with --checkpoint-activations)")
+    for flag in ("--train-weighted-split-paths-path", "--valid-weighted-split-paths-path",
+                 "--test-weighted-split-paths-path"):
+        g.add_argument(flag, default=None, help="not supported (one line says why)")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job, in one line ending in `see --help` (no usage
     block), and prints --help once: launchers start one copy of the script per GPU."""
@@ -177,7 +220,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser():
     parser = ArgumentParser(description="Pretrain a BLOOM-architecture model with DeepSpeed", allow_abbrev=False)
     for add in (_model_flags, _parallel_flags, _training_flags, _deepspeed_flags, _data_flags,
-                _logging_checkpoint_flags):
+                _logging_checkpoint_flags, _add_upstream_compat_args):
         add(parser)
     return parser
 
@@ -301,6 +344,7 @@ def resolve(args, world_size, ds_json=None, saved_meta=None, tokenizer_vocab_siz
     vocab_size, pad_to = _padded_vocab(values, tokenizer_vocab_size, saved_meta)
     model = _section(ModelConfig, values, vocab_size=vocab_size)
     training = _section(TrainingConfig, values, data_parallel_size=parallel.data_parallel_size)
+    training, upstream = _upstream_sections(values, training, getattr(args, "explicit_flags", frozenset()))
     optimizer = _section(OptimizerConfig, values, lr_decay_iters=values["lr_decay_iters"] or training.train_iters)
     metrics_dir = values["tensorboard_dir"] or values["save"]
     config = Config(
@@ -309,8 +353,29 @@ def resolve(args, world_size, ds_json=None, saved_meta=None, tokenizer_vocab_siz
                                          pad_vocab_size_to=pad_to),
         logging=_section(LoggingConfig, values, metrics_file=values["metrics_file"] or (
             os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None)),
-        checkpoint=_section(CheckpointConfig, values), deepspeed_config=values["deepspeed_config"])
+        checkpoint=_section(CheckpointConfig, values), deepspeed_config=values["deepspeed_config"], upstream=upstream)
     return config, build_deepspeed_config(config, user)
+
+
+def _upstream_sections(values, training, explicit):
+    """(training with the ramp-up's iteration count, UpstreamConfig): the tr11 recipe's flags checked."""
+    from megatron import upstream_compat
+    refused = upstream_compat.refused_flag(values)
+    if refused is not None:
+        raise refused
+    upstream = _section(UpstreamConfig, values)
+    upstream_compat.pipeline_partition_method(upstream.pp_partition_method)
+    if upstream.rampup_batch_size is not None:
+        upstream_compat.check_rampup(upstream.rampup_batch_size, training)
+        iters = upstream_compat.rampup_train_iters(training.train_samples, *upstream.rampup_batch_size,
+                                                   training.global_batch_size)
+        training = dataclasses.replace(training, train_iters=iters, train_samples=None)  # UpstreamConfig keeps it
+    if upstream.sample_based_schedule:
+        both = [f"--{d.replace('_', '-')}" for d in ("lr_warmup_iters", "lr_decay_iters") if d in explicit]
+        if both:
+            raise ValueError(f"{both[0]} and --lr-warmup-samples/--lr-decay-samples are both set: the schedule "
+                             "counts iterations or samples, not both; pass one form")
+    return training, upstream
 
 
 def check_data_files(data):
@@ -341,7 +406,12 @@ def load_and_resolve(argv=None, world_size=None):
         tokenizer = build_tokenizer(tokenizer_type, vocab_file=values["vocab_file"], merge_file=values["merge_file"],
                                     tokenizer_name_or_path=values["tokenizer_name_or_path"])
     saved_meta = None
-    if values["load"] and values["pad_vocab_size_to"] is None:
+    if values["load"]:  # this project's format or upstream's; a folder in neither stops here, in one line
+        from megatron.checkpoint.upstream import classify_load
+        kind, upstream_meta = classify_load(values["load"], values["universal_checkpoint"])
+        if kind == "upstream" and values["pad_vocab_size_to"] is None:
+            saved_meta = upstream_meta
+    if values["load"] and values["pad_vocab_size_to"] is None and saved_meta is None:
         from megatron.checkpoint.format import saved_model_config
         saved_meta = saved_model_config(values["load"])
     import torch

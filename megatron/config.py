@@ -68,8 +68,11 @@ class ModelConfig:
     loss_chunk_size: int = 0
     tensor_model_parallel_size: int = 1
     seed: int = 1234
+    checkpoint_num_layers: int = 1  # upstream compatibility (issue 21): layers per activation-checkpoint chunk
 
     def __post_init__(self):
+        if self.checkpoint_num_layers < 1:
+            raise ValueError(f"--checkpoint-num-layers {self.checkpoint_num_layers} must be at least 1")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
@@ -311,6 +314,48 @@ class CheckpointConfig:
     strict_load: bool = False
 
 
+# ---------------------------------------------------------------- upstream compatibility (issue 21)
+# BigScience's tr11 (BLOOM) recipe flags; arguments._add_upstream_compat_args declares them, megatron/upstream_compat.py
+# holds the pure functions (ramp-up, sample-based schedule lengths) and the checks that span sections.
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """The flags of BigScience's Megatron-DeepSpeed that BLOOM's tr11 recipe passes (what each does: --help)."""
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_samples: Optional[int] = None
+    rampup_batch_size: Optional[tuple] = None  # (start, increment, ramp-up samples)
+    kill_switch_path: Optional[str] = None
+    tensorboard_queue_size: int = 1000
+    log_batch_size_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    sync_tp_duplicated_parameters: bool = False
+    universal_checkpoint: bool = False
+    pp_partition_method: str = "type:transformer"
+    override_lr_scheduler: bool = False
+    use_checkpoint_lr_scheduler: bool = False
+    eval_only: bool = False
+    train_samples: Optional[int] = None  # --train-samples (TrainingConfig's is None once a ramp-up fixes the iterations)
+
+    def __post_init__(self):
+        if self.rampup_batch_size is not None:
+            _derive(self, rampup_batch_size=tuple(int(v) for v in self.rampup_batch_size))
+        for name in ("lr_decay_samples", "lr_warmup_samples", "tensorboard_queue_size"):
+            value = getattr(self, name)
+            if value is not None and value < (1 if name != "lr_warmup_samples" else 0):
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be positive")
+        if self.override_lr_scheduler and self.use_checkpoint_lr_scheduler:
+            raise ValueError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are both set: the first takes "
+                             "the LR schedule from the flags, the second from the checkpoint; pass one")
+
+    @property
+    def sample_based_schedule(self):
+        return self.lr_decay_samples is not None or self.lr_warmup_samples is not None
+
+
+# ---------------------------------------------------------------- end of upstream compatibility
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a run needs, resolved from the flags once (saved beside each checkpoint)."""
@@ -323,6 +368,7 @@ class Config:
     logging: LoggingConfig
     checkpoint: CheckpointConfig
     deepspeed_config: Optional[str] = None
+    upstream: UpstreamConfig = UpstreamConfig()  # upstream compatibility (issue 21)
 
     def __post_init__(self):
         model, parallel, training = self.model, self.parallel, self.training

@@ -9,6 +9,12 @@ written in it), or an iter_XXXXXXX folder itself. `pretrain_bloom.py --load <sav
 any DP size and ZeRO stage (or on any other layout) with the fp32 master weights, Adam's moments and step, the LR
 schedule, the step counters, the loss scale and the data position (megatron/checkpoint/universal.py describes the
 files). It streams: one parameter's state and one output file at a time.
+
+--load may also name an upstream Megatron-DeepSpeed checkpoint (BigScience's BLOOM runs, Microsoft's fork): a
+folder holding `latest` and global_stepN/ (layer_XX-model_YY-model_states.pt, mp_rank_XX_model_states.pt, ZeRO's
+[bf16_]zero_pp_rank_*_optim_states.pt), a global_stepN folder, or a universal checkpoint (latest_universal); its
+weights, and its optimizer state where the ZeRO files name it per parameter, are written in this project's format
+(megatron/checkpoint/upstream.py describes the layout read).
 """
 import argparse
 import os
@@ -16,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint import universal  # noqa: E402
+from megatron.checkpoint import universal, upstream  # noqa: E402
 from megatron.checkpoint.convert import DTYPE_NAMES  # noqa: E402
 from megatron.checkpoint.format import saved_layout_text  # noqa: E402
 
@@ -31,6 +37,10 @@ def parse_args(argv=None):
     parser.add_argument("--target-pipeline-parallel-size", type=int, required=True)
     parser.add_argument("--force", action="store_true", help="replace an existing --save")
     parser.add_argument("--no-verify", action="store_true", help="skip the manifest checksum check of --load")
+    parser.add_argument("--no-optimizer-state", action="store_true",
+                        help="an upstream checkpoint: convert the weights alone (the optimizer restarts on resume)")
+    parser.add_argument("--universal-checkpoint", action="store_true",
+                        help="an upstream folder: convert its universal checkpoint (latest_universal)")
     return parser.parse_args(argv)
 
 
@@ -38,6 +48,16 @@ def main(argv=None):
     args = parse_args(argv)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     try:
+        kind, _ = upstream.classify_load(args.load, args.universal_checkpoint)
+        if kind == "upstream":
+            checkpoint, out, count = universal.convert_upstream_checkpoint(
+                upstream.locate(args.load, args.universal_checkpoint), args.save, tp, pp, force=args.force,
+                with_optimizer=not args.no_optimizer_state)
+            print(f"converted upstream Megatron-DeepSpeed checkpoint {checkpoint.folder} (TP "
+                  f"{checkpoint.tensor_model_parallel_size}, PP {checkpoint.pipeline_model_parallel_size}) into {out} "
+                  f"(TP {tp} x PP {pp}, iteration {checkpoint.iteration}, {DTYPE_NAMES[checkpoint.dtype]} weights, "
+                  f"optimizer state of {count} parameters)")
+            return 0
         reader, meta, out, count = universal.convert_checkpoint(args.load, args.save, tp, pp, force=args.force,
                                                                 verify=not args.no_verify)
     except (ValueError, RuntimeError) as err:  # CheckpointError is a RuntimeError

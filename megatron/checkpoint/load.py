@@ -13,7 +13,8 @@ Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/
 load the weights alone and restart the optimizer (a warning); a precision change takes the per-parameter
 path (fp32 moments, and the fp32 master where one was saved). Checkpoints written before
 this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
-engine.load_checkpoint.
+engine.load_checkpoint. An upstream Megatron-DeepSpeed folder (global_stepN/, megatron/checkpoint/upstream.py) is
+resumed by upstream_resume.py.
 """
 import dataclasses
 import logging
@@ -153,6 +154,11 @@ def load_checkpoint(engine, config, state):
     engine.load_checkpoint.
     """
     ckpt = config.checkpoint
+    from megatron.checkpoint.upstream import locate
+    upstream_folder = locate(ckpt.load, universal=config.upstream.universal_checkpoint)
+    if upstream_folder is not None:  # BigScience / Microsoft Megatron-DeepSpeed's layout
+        from megatron.checkpoint import upstream_resume
+        return ResumeState(*upstream_resume.resume(engine, config, state, upstream_folder))
     folder = choose_checkpoint(ckpt.load, strict=ckpt.strict_load)
     if folder is None:
         if ckpt.strict_load or ckpt.finetune:
@@ -227,6 +233,9 @@ def _restore_on_new_layout(engine, folder, meta, config, state):
 
 
 def _warn_schedule_change(engine, folder, config):
+    if config.upstream.override_lr_scheduler or config.upstream.use_checkpoint_lr_scheduler or \
+            config.upstream.sample_based_schedule:
+        return  # the user chose where the schedule comes from; a sample-based one is not in iterations
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         message = schedule_change_message(read_saved_config(folder), config, scheduler.num_steps)

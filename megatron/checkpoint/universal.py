@@ -131,3 +131,47 @@ def convert_checkpoint(src, dst, tp, pp, force=False, verify=True):
     finally:
         reader.close()
     return reader, meta, out, len(source.names())
+
+
+def convert_upstream_checkpoint(folder, dst, tp, pp, force=False, with_optimizer=True):
+    """Writes the upstream Megatron-DeepSpeed checkpoint in `folder` (a global_stepN folder, upstream.locate) as
+    this project's TP x PP checkpoint: the weights (TP slices merged and re-split, a window at a time), and, where
+    the upstream files name the optimizer state per parameter (ZeRO's param_slice_mappings, or a universal
+    checkpoint), the fp32 master weights, Adam's moments and step in the per-parameter format above, with the
+    iteration, consumed samples, step counters and LR schedule position. Returns (the UpstreamCheckpoint, closed;
+    the output checkpoint folder; how many parameters' optimizer state was carried, 0 for none)."""
+    from megatron.checkpoint.optimizer_state import FORMAT
+    from megatron.checkpoint.upstream import UpstreamCheckpoint, ZERO_RE
+    from megatron.checkpoint.upstream_resume import schedule_position
+    check_output_path(dst, force, [folder], flag="--save")
+    checkpoint = UpstreamCheckpoint(folder)
+    try:
+        stages = stage_names(checkpoint.config, tp, pp)
+        source = checkpoint.optimizer() if with_optimizer else None
+        bf16_files = any(ZERO_RE.match(n) and n.startswith("bf16_") for n in os.listdir(folder))
+        precision = "bf16" if bf16_files or checkpoint.dtype == torch.bfloat16 else \
+            "fp16" if checkpoint.dtype == torch.float16 else "fp32"
+        counters = {"global_steps": checkpoint.global_steps, "global_samples": checkpoint.consumed_samples,
+                    "skipped_steps": checkpoint.skipped_steps,
+                    "lr_scheduler": {"num_steps": schedule_position(checkpoint, sample_based=False)}}
+        meta = {"iteration": checkpoint.iteration, "consumed_samples": checkpoint.consumed_samples,
+                "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": None,
+                "zero_stage": None, "precision": precision, "deepspeed_state": source is not None,
+                "converted_from": os.path.abspath(folder), "converted_from_format": "upstream Megatron-DeepSpeed"}
+        if source is not None:
+            meta.update(engine_state_version=FORMAT, optimizer_format=OPTIMIZER_FORMAT_PARAMETERS)
+
+        def write_rank(out, t, p, names):
+            written = {shard_name(t, p): torch_save_synced(read_shard_for(checkpoint, names, t, tp),
+                                                           os.path.join(out, shard_name(t, p)))}
+            if source is not None:
+                saved, index = optimizer_file(source, names, tp, t, counters, {}, flag="--load")
+                written[optimizer_name(t, p, 0)] = torch_save_synced(saved, os.path.join(out, optimizer_name(t, p, 0)))
+                written[index_name(t, p, 0)] = write_text_synced(index, os.path.join(out, index_name(t, p, 0)))
+            return written
+
+        out = write_checkpoint_folder(dst, checkpoint.iteration, stages, tp, write_rank,
+                                      layout_config(checkpoint.run_config, tp, pp), meta, None, force, flag="--save")
+    finally:
+        checkpoint.close()
+    return checkpoint, out, len(source.names()) if source is not None else 0

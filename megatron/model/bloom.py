@@ -218,6 +218,18 @@ class InferenceCache:
         return 0 if self.layers[0].k is None else self.layers[0].k.shape[2]
 
 
+def _run_layers(layers):
+    """A function running `layers` in turn: one activation-checkpoint chunk (--checkpoint-num-layers)."""
+    if len(layers) == 1:
+        return layers[0]
+
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+    return run
+
+
 class BloomModel(nn.Module):
     """The whole network on one pipeline stage (used when PP = 1; pipeline.py splits it for PP > 1).
 
@@ -248,12 +260,14 @@ class BloomModel(nn.Module):
     def hidden_states(self, input_ids, attention_mask=None, cache=None):
         """(B, S) token ids -> (B, S, H) after the final LayerNorm."""
         x = self.embedding(input_ids)
+        if self.config.checkpoint_activations and self.training and attention_mask is None and cache is None:
+            chunk = self.config.checkpoint_num_layers  # layers recomputed together in backward
+            for start in range(0, len(self.layers), chunk):
+                x = tensor_parallel.checkpoint(_run_layers(self.layers[start:start + chunk]), x)
+            return self.final_layernorm(x)
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
-            if self.config.checkpoint_activations and self.training and attention_mask is None:
-                x = tensor_parallel.checkpoint(layer, x)
-            else:
-                x = layer(x, attention_mask, layer_cache)
+            x = layer(x, attention_mask, layer_cache)
         return self.final_layernorm(x)
 
     def lm_logits(self, hidden):

@@ -56,8 +56,12 @@ class _LossFn:
 
 
 def build_pipeline_model(config, topology, checkpoint_activations=False, activation_checkpoint_func=None,
-                         tp_group=None):
+                         tp_group=None, partition_method="type:BloomBlockPipe"):
     """PipelineModule for config (ModelConfig) over DeepSpeed's PipeModelDataParallelTopology.
+
+    partition_method: DeepSpeed's (type:BloomBlockPipe counts the blocks; type:BloomBlockPipe|EmbeddingPipe
+    also the two embedding layers, as BLOOM's --pp-partition-method 'type:transformer|embedding'); activations
+    are checkpointed every config.checkpoint_num_layers layers.
 
     tp_group: this rank's tensor-parallel ProcessGroup (None for TP = 1); its size must be the topology's
     "model" axis.
@@ -73,8 +77,8 @@ def build_pipeline_model(config, topology, checkpoint_activations=False, activat
                             tied_weight_attr="word_embeddings_weight")]
     return PipelineModule(
         layers=specs, loss_fn=_LossFn(tp_group), topology=topology,
-        partition_method="type:BloomBlockPipe",
-        activation_checkpoint_interval=1 if checkpoint_activations else 0,
+        partition_method=partition_method,
+        activation_checkpoint_interval=config.checkpoint_num_layers if checkpoint_activations else 0,
         activation_checkpoint_func=activation_checkpoint_func or tensor_parallel.checkpoint,
         checkpointable_layers=["BloomBlockPipe"])
 

@@ -4,6 +4,10 @@
     warmup < step <= decay_iters:   min_lr + (lr - min_lr) * f(progress),  progress = (step - warmup) / (decay - warmup)
                                     f = 1 (constant), 1 - progress (linear), (1 + cos(pi * progress)) / 2 (cosine)
     step > decay_iters:             min_lr (lr for constant)
+
+`step` counts optimizer steps, or consumed samples for upstream's sample-based schedule (--lr-warmup-samples,
+--lr-decay-samples): then each optimizer step advances it by `increment`, the step's global batch, which the
+trainer updates during a batch-size ramp-up.
 """
 import math
 
@@ -11,8 +15,11 @@ import math
 class AnnealingLR:
     """Stateful scheduler that DeepSpeed steps once per optimizer step (state saved in checkpoints)."""
 
-    def __init__(self, optimizer, lr, min_lr, warmup_iters, decay_iters, decay_style):
+    def __init__(self, optimizer, lr, min_lr, warmup_iters, decay_iters, decay_style, increment=1,
+                 use_checkpoint_schedule=False):
         self.optimizer = optimizer
+        self.increment = increment  # what one optimizer step adds to num_steps (1, or the global batch in samples)
+        self.use_checkpoint_schedule = use_checkpoint_schedule  # --use-checkpoint-lr-scheduler
         self.lr, self.min_lr = lr, min_lr
         self.warmup_iters, self.decay_iters = warmup_iters, max(decay_iters, 1)
         self.decay_style = decay_style
@@ -40,8 +47,8 @@ class AnnealingLR:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, increment=1):
-        self.num_steps += increment
+    def step(self, increment=None):
+        self.num_steps += self.increment if increment is None else increment
         self._apply()
 
     def state_dict(self):
@@ -49,6 +56,12 @@ class AnnealingLR:
                 "warmup_iters": self.warmup_iters, "decay_iters": self.decay_iters, "decay_style": self.decay_style}
 
     def load_state_dict(self, state):
-        # The schedule's shape comes from this run's flags; only the position is restored.
+        # The schedule's shape comes from this run's flags (upstream's --override-lr-scheduler), only the position
+        # is restored; with --use-checkpoint-lr-scheduler the shape comes from the checkpoint too.
+        if self.use_checkpoint_schedule:
+            for key, attr in (("lr", "lr"), ("min_lr", "min_lr"), ("warmup_iters", "warmup_iters"),
+                              ("decay_iters", "decay_iters"), ("decay_style", "decay_style")):
+                if state.get(key) is not None:
+                    setattr(self, attr, state[key])
         self.num_steps = state["num_steps"]
         self._apply()

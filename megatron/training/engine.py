@@ -21,8 +21,10 @@ def build_model(config, state):
                                              num_mp=state.tensor_model_parallel_size,
                                              num_dp=state.data_parallel_size)
     with torch.no_grad():  # PipelineModule broadcasts the tied embedding; with grad on, torch warns at backward
+        from megatron.upstream_compat import pipeline_partition_method
         return build_pipeline_model(config.model, topology, config.model.checkpoint_activations,
-                                    tp_group=state.tp_group)
+                                    tp_group=state.tp_group,
+                                    partition_method=pipeline_partition_method(config.upstream.pp_partition_method))
 
 
 def _with_bf16_overflow_check(ds_config):
@@ -51,8 +53,12 @@ def setup_engine(config, ds_config, state):
     model = build_model(config, state)
     opt = config.optimizer
     optimizer = build_optimizer(get_param_groups(model, opt.weight_decay), opt, config.training.cpu_offload)
-    scheduler = AnnealingLR(optimizer, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters,
-                            opt.lr_decay_style)
+    from megatron.upstream_compat import schedule_lengths
+    warmup, decay, unit = schedule_lengths(config.upstream, opt, config.training)
+    rampup = config.upstream.rampup_batch_size
+    increment = 1 if unit == "iterations" else (rampup[0] if rampup else config.training.global_batch_size)
+    scheduler = AnnealingLR(optimizer, opt.lr, opt.min_lr, warmup, decay, opt.lr_decay_style, increment=increment,
+                            use_checkpoint_schedule=config.upstream.use_checkpoint_lr_scheduler)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_with_bf16_overflow_check(ds_config),
         mpu=DeepSpeedMPU() if state.pipeline_model_parallel_size == 1 else None, dist_init_required=False)

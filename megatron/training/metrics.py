@@ -100,13 +100,13 @@ def loss_scale(engine):
 class MetricsWriter:
     """Rank 0's tensorboard scalars and metrics JSON lines ({"kind": "train" | "valid", ...} per line)."""
 
-    def __init__(self, logging_config, rank):
+    def __init__(self, logging_config, rank, max_queue=1000):
         self.tb = self.jsonl = None
         if rank != 0:
             return
         if logging_config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(logging_config.tensorboard_dir)
+            self.tb = SummaryWriter(logging_config.tensorboard_dir, max_queue=max_queue)  # --tensorboard-queue-size
         if logging_config.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(logging_config.metrics_file)), exist_ok=True)
             self.jsonl = open(logging_config.metrics_file, "a")

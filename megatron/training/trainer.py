@@ -147,6 +147,7 @@ class Trainer:
             set_rng_state(start.rng_state)  # after iter(loader), which draws from the generator
         self.guard = NonFiniteGuard(engine, state, config.optimizer.clip_grad)
         self.losses = {}
+        self.global_batch = config.training.global_batch_size  # the current one, below it during a ramp-up
 
     def _batches(self, dataset, consumed, num_workers):
         from megatron.data.samplers import build_pretraining_data_loader
@@ -156,12 +157,15 @@ class Trainer:
 
     def train(self):
         training = self.config.training
-        self.writer = MetricsWriter(self.config.logging, self.state.rank)
+        upstream = self.config.upstream
+        self.writer = MetricsWriter(self.config.logging, self.state.rank, max_queue=upstream.tensorboard_queue_size)
         self.exit_signal = ExitSignal(training.exit_signal_handler)
         self.start_time, self.window = time.time(), _LogWindow()
         self._peak = self._peak_tflops()
         self.callbacks("on_train_start", self)
         exit_reason = "finished"
+        if upstream.eval_only or self._kill_switch():
+            return self._stop_without_training("--eval-only" if upstream.eval_only else "kill switch")
         try:
             while self.progress.iteration < training.train_iters:
                 nonfinite = self._iteration()
@@ -180,17 +184,66 @@ class Trainer:
                 exit_reason = self._exit_reason()
                 if exit_reason != "finished":
                     break
+                if self._kill_switch():
+                    exit_reason = "kill switch"
+                    break
+            if exit_reason == "kill switch":  # upstream's semantics: exit at once, no evaluation, no save
+                self.writer.close()
+                return self._summary(exit_reason)
             evaluated_last = training.eval_interval and self.progress.iteration % training.eval_interval == 0
             if exit_reason == "finished" and training.eval_iters > 0 and not evaluated_last:
                 self._evaluate()
             self.save()
         finally:
             self.writer.close()
+        return self._summary(exit_reason)
+
+    def _summary(self, exit_reason):
         logger.info("training stopped at iteration %d (%s)", self.progress.iteration, exit_reason)
         summary = {"iteration": self.progress.iteration, "consumed_samples": self.progress.consumed_samples,
                    "losses": self.losses, "exit_reason": exit_reason}
         self.callbacks("on_train_end", self, summary)
         return summary
+
+    # ------------------------------------------------------------ upstream compatibility (issue 21)
+
+    def _stop_without_training(self, reason):
+        """--eval-only: one evaluation of the validation split; a kill switch present at start: nothing."""
+        try:
+            if reason == "--eval-only":
+                self._evaluate()
+            else:
+                logger.warning("kill switch %s exists: exiting without training (remove it to run)",
+                               self.config.upstream.kill_switch_path)
+        finally:
+            self.writer.close()
+        return self._summary(reason)
+
+    def _kill_switch(self):
+        """Whether any rank sees --kill-switch-path (upstream: checked each iteration, exit without saving)."""
+        from megatron.upstream_compat import kill_switch_present
+        path = self.config.upstream.kill_switch_path
+        if not path:
+            return False
+        found = any_rank_over(1.0 if kill_switch_present(path) else 0.0, 0.5)
+        if found and self.progress.iteration:
+            logger.warning("kill switch %s exists: exiting at iteration %d without saving", path,
+                           self.progress.iteration)
+        return found
+
+    def _set_global_batch(self):
+        """The global batch of the next step under --rampup-batch-size (DeepSpeed's gradient accumulation and the
+        sample-based LR schedule's step follow it)."""
+        from megatron.upstream_compat import rampup_global_batch
+        rampup = self.config.upstream.rampup_batch_size
+        if rampup is None:
+            return
+        batch = rampup_global_batch(self.progress.consumed_samples, *rampup, self.config.training.global_batch_size)
+        if batch != self.global_batch or self.progress.iteration == 0:
+            self.engine.set_train_batch_size(batch)
+            self.global_batch = batch
+        if self.config.upstream.sample_based_schedule:
+            self.scheduler.increment = batch
 
     def _iteration(self):
         """Runs one iteration; returns whether it was non-finite (its update skipped)."""
@@ -198,14 +251,20 @@ class Trainer:
         iteration = progress.iteration + 1
         self.callbacks("on_iteration_start", self, iteration)
         skipped_before = int(getattr(engine, "skipped_steps", 0))
+        self._set_global_batch()
+        training = self.config.training
         try:
-            loss = train_step(engine, self.data_iter, self.config.training.gradient_accumulation_steps,
+            loss = train_step(engine, self.data_iter,
+                              self.global_batch // (training.micro_batch_size * training.data_parallel_size),
                               self.pipelined, self.state.dp_group, self.guard,
                               on_phase=lambda phase: self.callbacks("on_phase", self, iteration, phase))
         except torch.cuda.OutOfMemoryError as err:
             raise RuntimeError(OOM_HINT) from err
+        if self.config.upstream.sync_tp_duplicated_parameters:
+            from megatron.upstream_compat import sync_tp_duplicated_parameters
+            sync_tp_duplicated_parameters(engine, self.state.tp_group)
         progress.iteration = iteration
-        progress.consumed_samples += self.config.training.global_batch_size
+        progress.consumed_samples += self.global_batch
         self.losses[iteration] = loss
         self.callbacks("on_iteration_end", self, iteration, loss)
         return self._check_finite(loss, int(getattr(engine, "skipped_steps", 0)) - skipped_before)
@@ -246,7 +305,7 @@ class Trainer:
             torch.cuda.synchronize()
         interval = config.logging.log_interval
         per_iter = (time.perf_counter() - self.window.start) / (progress.iteration % interval or interval)
-        flops = model_flops_per_iteration(training.global_batch_size, config.model.seq_length,
+        flops = model_flops_per_iteration(self.global_batch, config.model.seq_length,
                                           config.model.num_layers, config.model.hidden_size,
                                           config.model.vocab_size, config.model.checkpoint_activations)
         # per GPU; without CUDA (tests, the quickstart on a laptop) a TFLOP/s figure means nothing: left out
@@ -255,11 +314,11 @@ class Trainer:
             iteration=progress.iteration, train_iters=training.train_iters,
             consumed_samples=progress.consumed_samples,
             consumed_tokens=progress.consumed_samples * config.model.seq_length, ms_per_iteration=1000 * per_iter,
-            lr=self.scheduler.get_lr(), global_batch_size=training.global_batch_size,
+            lr=self.scheduler.get_lr(), global_batch_size=self.global_batch,
             lm_loss=self.window.mean_loss(), loss_scale=loss_scale(self.engine), grad_norm=self.guard.grad_norm(),
             skipped_iterations=int(getattr(self.engine, "skipped_steps", 0)), nan_iterations=progress.nan_total,
-            samples_per_second=training.global_batch_size / per_iter,
-            tokens_per_second=training.global_batch_size * config.model.seq_length / per_iter,
+            samples_per_second=self.global_batch / per_iter,
+            tokens_per_second=self.global_batch * config.model.seq_length / per_iter,
             tflops=tflops, mfu=tflops / self._peak if self._peak and tflops is not None else None,
             **peak_memory_gib())
         logger.info(format_log_line(metrics))
