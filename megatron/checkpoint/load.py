@@ -9,7 +9,7 @@ saved_optimizer.py), whatever wrapper wrote it, and written into this run's wrap
 restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
 over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
 Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/universal.py: meta.json's
-"optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files,
+"optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files
 load the weights alone and restart the optimizer (a warning); a precision change takes the per-parameter
 path (fp32 moments, and the fp32 master where one was saved). Checkpoints written before
 this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
