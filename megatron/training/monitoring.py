@@ -45,8 +45,13 @@ class GpuUtilization:
                 return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
             except pynvml.NVMLError:
                 pass
-        bus = f"{getattr(props, 'pci_domain_id', 0):08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-        return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+        try:
+            bus = f"{getattr(props, 'pci_domain_id', 0):08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+        except (AttributeError, pynvml.NVMLError):
+            if os.environ.get("CUDA_VISIBLE_DEVICES"):
+                raise
+            return pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
 
     def _samples(self, since):
         try:
