@@ -54,8 +54,8 @@ class PhaseClock:
     synchronized, {name: seconds} for the window, and a fresh window.
     """
 
-    def __init__(self, cuda, detail=False):
-        self.cuda, self.detail = cuda, detail
+    def __init__(self, cuda, detail=False, host_clock=time.perf_counter):
+        self.cuda, self.detail, self.host_clock = cuda, detail, host_clock
         self.paused = False
         self.current = (None, None)
         self.counts = {}  # forward/backward passes so far this iteration (level 2's micro-batch index)
@@ -63,7 +63,7 @@ class PhaseClock:
 
     def _stamp(self):
         if not self.cuda:
-            return time.perf_counter()
+            return self.host_clock()
         event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
