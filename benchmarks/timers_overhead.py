@@ -170,6 +170,10 @@ def main(argv=None):
             print(f"  {phase:<20} {ms:9.2f}  {100 * ms / one['ms_per_iteration']:5.1f}%")
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
+    for level in results["levels"]:  # the curves and the phase panel (needs matplotlib; skipped without it)
+        metrics = os.path.join(args.metrics_dir, f"level{level}.jsonl")
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_metrics.py"), metrics, "--output",
+                        metrics.replace(".jsonl", ".png")], cwd=ROOT)
     print(f"\nwrote {args.output}; metrics files in {args.metrics_dir}")
 
 
