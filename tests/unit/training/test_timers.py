@@ -162,3 +162,26 @@ def test_plot_phase_panel(tmp_path):
     proc = run_tool("tools/plot_metrics.py", [path, "--output", tmp_path / "out.png"])
     assert proc.stdout.strip().endswith("(3 training and 0 validation points, phase timers at 2)")
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_utilization_averages_the_samples_of_the_window():
+    """The window logic on NVML's sample buffer, with a stand-in for pynvml (no GPU here)."""
+    from megatron.training.monitoring import GpuUtilization
+
+    class Error(Exception):
+        pass
+
+    buffer = [(10, 100), (20, 50)]
+    fake = SimpleNamespace(
+        NVMLError=Error, NVML_GPU_UTILIZATION_SAMPLES=1,
+        nvmlDeviceGetSamples=lambda handle, kind, since: (0, [
+            SimpleNamespace(timeStamp=t, sampleValue=SimpleNamespace(uiVal=v)) for t, v in buffer if t > since]),
+        nvmlDeviceGetUtilizationRates=lambda handle: SimpleNamespace(gpu=37))
+    util = GpuUtilization(warn=False)
+    assert not util.available and util.window_mean() is None  # no CUDA here
+    util.pynvml, util.handle = fake, object()
+    util.start_window()
+    assert util.since == 20
+    buffer += [(30, 90), (40, 70)]
+    assert util.window_mean() == 80.0  # (90 + 70) / 2: not the samples before the window
+    assert util.window_mean() == 37.0  # no new sample: NVML's last-period figure
