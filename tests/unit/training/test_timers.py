@@ -185,3 +185,26 @@ def test_gpu_utilization_averages_the_samples_of_the_window():
     buffer += [(30, 90), (40, 70)]
     assert util.window_mean() == 80.0  # (90 + 70) / 2: not the samples before the window
     assert util.window_mean() == 37.0  # no new sample: NVML's last-period figure
+
+
+def resolve_flags(*flags, world=1):
+    from megatron.arguments import load_and_resolve
+    from tests.launch import TINY_MODEL
+    return load_and_resolve(TINY_MODEL + ["--micro-batch-size", "2", "--train-iters", "8", "--lr", "1e-3",
+                                          "--mock-data", *flags], world_size=world)[0]
+
+
+def test_flags_resolve_into_the_monitoring_config(tmp_path):
+    config = resolve_flags("--timing-log-level", "2", "--timing-log-option", "minmax", "--profile",
+                           "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1",
+                           "--tensorboard-dir", str(tmp_path), "--wandb-project", "p", world=2)
+    monitoring = config.monitoring
+    assert (monitoring.timing_log_level, monitoring.timing_log_option, monitoring.profile_ranks) == (2, "minmax", (0, 1))
+    assert monitoring.profile_dir == monitoring.wandb_save_dir == str(tmp_path)  # both default to --tensorboard-dir
+    with pytest.raises(ValueError) as err:
+        resolve_flags("--profile", "--profile-step-start", "6", "--profile-step-end", "10", "--profile-dir", "p")
+    assert str(err.value) == "--profile-step-end 10 is past the last iteration (8); lower it or raise --train-iters"
+    with pytest.raises(ValueError) as err:
+        resolve_flags("--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-dir", "p",
+                      "--profile-ranks", "2", world=2)
+    assert str(err.value) == "--profile-ranks 2: the run has ranks 0 to 1; name ranks in that range"
