@@ -152,7 +152,8 @@ def main(argv=None):
             summary["nvidia_smi_utilization"] = smi.mean(start, end)
         results["levels"][level] = summary
     base = results["levels"].get(0, {}).get("tokens_per_second")
-    print(f"\n{'level':>5} {'tokens/s':>10} {'vs level 0':>10} {'ms/iter':>9} {'MFU':>6} {'GPU util':>9} {'smi util':>9}")
+    print(f"\n{'level':>5} {'tokens/s':>10} {'vs level 0':>10} {'ms/iter':>9} {'MFU':>6} {'GPU util':>9} "
+          f"{'smi util':>9}")
     for level, s in results["levels"].items():
         ratio = s["tokens_per_second"] / base if base else float("nan")
         s["vs_level0"] = ratio

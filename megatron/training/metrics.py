@@ -170,7 +170,8 @@ def drop_records_after(path, iteration):
             except json.JSONDecodeError:
                 kept.append(line)
                 continue
-            if isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] > iteration:
+            past = isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] > iteration
+            if past:
                 dropped += 1
             else:
                 kept.append(line)

@@ -199,7 +199,8 @@ def test_flags_resolve_into_the_monitoring_config(tmp_path):
                            "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1",
                            "--tensorboard-dir", str(tmp_path), "--wandb-project", "p", world=2)
     monitoring = config.monitoring
-    assert (monitoring.timing_log_level, monitoring.timing_log_option, monitoring.profile_ranks) == (2, "minmax", (0, 1))
+    assert monitoring.timing_log_level == 2 and monitoring.timing_log_option == "minmax"
+    assert monitoring.profile_ranks == (0, 1)
     assert monitoring.profile_dir == monitoring.wandb_save_dir == str(tmp_path)  # both default to --tensorboard-dir
     with pytest.raises(ValueError) as err:
         resolve_flags("--profile", "--profile-step-start", "6", "--profile-step-end", "10", "--profile-dir", "p")
