@@ -170,8 +170,8 @@ def drop_records_after(path, iteration):
             except json.JSONDecodeError:
                 kept.append(line)
                 continue
-            past = isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] > iteration
-            if past:
+            step = record.get("iteration") if isinstance(record, dict) else None
+            if isinstance(step, int) and step > iteration:
                 dropped += 1
             else:
                 kept.append(line)
