@@ -106,7 +106,7 @@ def test_dp2_phases_comm_share_profile_and_tensorboard(dp2):
         assert set(record["timers"]) >= {"batch-generator", "forward-compute", "backward-compute",
                                          "grads-all-reduce", "optimizer", "loss-sync"}
         assert record["comm_share"] > 0
-        assert record["comm_share"] == pytest.approx(expected_comm_share(record, 2), rel=0.05)
+        assert record["comm_share"] == pytest.approx(expected_comm_share(record, 2), rel=0.10)
         assert "bubble_share" not in record and "gpu_utilization" not in record  # PP 1; no CUDA
     line = next(x for x in proc.stderr.splitlines() if "iteration        8/" in x)
     assert "timers (ms per iteration, per rank): batch-generator [" in line and "| communication: " in line
