@@ -129,7 +129,8 @@ class PhaseClock:
 
 def install_engine_hooks(engine, clock, pipelined):
     """Marks DeepSpeed's own phase boundaries: its gradient reduction and, for the pipeline engine, each schedule
-    instruction (by overriding the engine's instruction map and methods on this instance only)."""
+    instruction (by overriding the engine's instruction map and methods on this instance only). Returns a function
+    that removes them."""
     original_reduce = engine.allreduce_gradients
 
     def allreduce_gradients(*args, **kwargs):
@@ -141,8 +142,14 @@ def install_engine_hooks(engine, clock, pipelined):
             clock.mark(*previous)
 
     engine.allreduce_gradients = allreduce_gradients
+    overridden = ["allreduce_gradients"]
+
+    def uninstall():
+        for name in overridden:
+            engine.__dict__.pop(name, None)
+
     if not pipelined:
-        return
+        return uninstall
     from deepspeed.runtime.pipe import schedule
     phase_of = {schedule.LoadMicroBatch: "batch-generator", schedule.ForwardPass: "forward-compute",
                 schedule.BackwardPass: "backward-compute", schedule.SendActivation: "pipeline-send-recv",
@@ -166,10 +173,13 @@ def install_engine_hooks(engine, clock, pipelined):
         return original_aggregate(*args, **kwargs)
 
     engine._aggregate_total_loss = aggregate_total_loss
+    overridden += ["_INSTRUCTION_MAP", "_aggregate_total_loss"]
+    return uninstall
 
 
 def install_layer_hooks(model, clock):
-    """Level 2: the forward time of each transformer block (modules with a `layer_number`), as spans."""
+    """Level 2: the forward time of each transformer block (modules with a `layer_number`), as spans. Returns a
+    function that removes the hooks."""
     handles = []
     for module in model.modules():
         number = getattr(module, "layer_number", None)
@@ -187,7 +197,11 @@ def install_layer_hooks(model, clock):
             mod._timing_token = None
 
         handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-    return handles
+
+    def uninstall():
+        for handle in handles:
+            handle.remove()
+    return uninstall
 
 
 def gather_rows(values):

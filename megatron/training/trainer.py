@@ -167,21 +167,32 @@ class Trainer:
             set_rng_state(start.rng_state)  # after iter(loader), which draws from the generator
         self.guard = NonFiniteGuard(engine, state, config.optimizer.clip_grad)
         self.losses = {}
-        self._setup_monitoring(config.monitoring)
+        self.clock = self.gpu_util = self.timing_level = None
+        self._timer_hooks, self._training = [], False
+        self.set_timing_level(config.monitoring.timing_log_level)
+        if config.monitoring.profile:
+            from megatron.training.monitoring import ProfilerWindow
+            self.callbacks.callbacks.append(ProfilerWindow(config.monitoring, self.state.rank))
 
-    def _setup_monitoring(self, monitoring):
-        """Timers (hooks on the engine and, for level >= 1, the TP collectives), profiler, GPU utilization."""
-        from megatron.training.monitoring import GpuUtilization, ProfilerWindow
+    def set_timing_level(self, level):
+        """Puts the phase timers at `level` (--timing-log-level): hooks on the engine, on the TP collectives and, at
+        level 2, on the layers. Called at construction, and by callbacks between log windows (on_log) to compare
+        levels within one run (benchmarks/timers_overhead.py)."""
+        from megatron.core.tensor_parallel import comm_timing
+        from megatron.training.monitoring import GpuUtilization
         from megatron.training.timers import PhaseClock, install_engine_hooks, install_layer_hooks
-        self.clock = self.gpu_util = None
-        if monitoring.timing_log_level >= 1:
-            self.clock = PhaseClock(torch.cuda.is_available(), detail=monitoring.timing_log_level >= 2)
-            install_engine_hooks(self.engine, self.clock, self.pipelined)
-            if monitoring.timing_log_level >= 2:
-                install_layer_hooks(self.engine.module, self.clock)
-            self.gpu_util = GpuUtilization(warn=self.state.rank == 0)
-        if monitoring.profile:
-            self.callbacks.callbacks.append(ProfilerWindow(monitoring, self.state.rank))
+        for uninstall in self._timer_hooks:
+            uninstall()
+        self._timer_hooks, self.timing_level, self.clock = [], level, None
+        if level >= 1:
+            self.clock = PhaseClock(torch.cuda.is_available(), detail=level >= 2)
+            self._timer_hooks.append(install_engine_hooks(self.engine, self.clock, self.pipelined))
+            if level >= 2:
+                self._timer_hooks.append(install_layer_hooks(self.engine.module, self.clock))
+            if self.gpu_util is None:
+                self.gpu_util = GpuUtilization(warn=self.state.rank == 0)
+        if self._training:
+            comm_timing.set_collective_observer(self.clock)
 
     def _batches(self, dataset, consumed, num_workers):
         from megatron.data.samplers import build_pretraining_data_loader
@@ -199,6 +210,7 @@ class Trainer:
         self._peak = self._peak_tflops()
         self.callbacks("on_train_start", self)
         previous_observer = comm_timing.set_collective_observer(self.clock)
+        self._training = True
         self._new_window()
         start_iteration = self.progress.iteration
         exit_reason = "finished"
@@ -227,6 +239,7 @@ class Trainer:
                 self._evaluate()
             self.save()
         finally:
+            self._training = False
             comm_timing.set_collective_observer(previous_observer)
             self.writer.close()
         logger.info("training stopped at iteration %d (%s)", self.progress.iteration, exit_reason)
@@ -324,7 +337,7 @@ class Trainer:
             iteration=progress.iteration, train_iters=training.train_iters,
             consumed_samples=progress.consumed_samples,
             consumed_tokens=progress.consumed_samples * config.model.seq_length, ms_per_iteration=1000 * per_iter,
-            window_iterations=self.window.ran,
+            window_iterations=self.window.ran, timing_log_level=self.timing_level,
             lr=self.scheduler.get_lr(), global_batch_size=training.global_batch_size,
             lm_loss=self.window.mean_loss(), loss_scale=loss_scale(self.engine), grad_norm=self.guard.grad_norm(),
             skipped_iterations=int(getattr(self.engine, "skipped_steps", 0)), nan_iterations=progress.nan_total,
@@ -341,6 +354,7 @@ class Trainer:
             logger.info(format_detail(progress.iteration, metrics["timers_detail"],
                                       config.monitoring.timing_log_option))
         self.writer.write("train", metrics)
+        self.callbacks("on_log", self, progress.iteration, metrics)
         self._new_window()
 
     def _window_timing(self, window_seconds):
