@@ -209,3 +209,54 @@ def test_flags_resolve_into_the_monitoring_config(tmp_path):
         resolve_flags("--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-dir", "p",
                       "--profile-ranks", "2", world=2)
     assert str(err.value) == "--profile-ranks 2: the run has ranks 0 to 1; name ranks in that range"
+
+
+def test_engine_hooks_mark_deepspeeds_phases_and_come_off():
+    """install_engine_hooks on a stand-in pipeline engine: each schedule instruction marks its phase (forward and
+    backward passes numbered per iteration), the gradient reduction marks its own and restores the phase it
+    interrupted; uninstall leaves the engine as it was (Trainer.set_timing_level switches levels this way)."""
+    from deepspeed.runtime.pipe import schedule
+
+    from megatron.training.timers import install_engine_hooks
+
+    fake = FakeTime()
+    clock = PhaseClock(cuda=False, detail=True, host_clock=fake)
+    seen = []
+
+    class Engine:
+        def allreduce_gradients(self, bucket_size=0):
+            seen.append(("reduce", clock.current))
+            fake.sleep(0.5)
+
+        def _aggregate_total_loss(self):
+            seen.append(("loss", clock.current))
+
+        def _run(self, cmd):  # DeepSpeed's _exec_schedule: self._INSTRUCTION_MAP[type(cmd)](self, **kwargs)
+            self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+
+        def _pass(self, buffer_id):
+            fake.sleep(0.1)
+
+        def _reduce(self):
+            self.allreduce_gradients(bucket_size=1)
+
+        _INSTRUCTION_MAP = {schedule.ForwardPass: _pass, schedule.BackwardPass: _pass,
+                            schedule.ReduceGrads: _reduce}
+
+    engine = Engine()
+    uninstall = install_engine_hooks(engine, clock, pipelined=True)
+    clock.new_iteration()
+    for cmd in (schedule.ForwardPass(0), schedule.ForwardPass(1), schedule.BackwardPass(0),
+                schedule.ReduceGrads()):
+        engine._run(cmd)
+    engine._aggregate_total_loss()
+    clock.mark(None)
+    phases, detail = clock.collect()
+    assert seen == [("reduce", ("grads-all-reduce", None)), ("loss", ("loss-sync", None))]
+    assert phases["forward-compute"] == pytest.approx(0.2) and phases["grads-all-reduce"] == pytest.approx(0.5)
+    assert detail == pytest.approx({"forward-compute micro-batch 0": 0.1, "forward-compute micro-batch 1": 0.1,
+                                    "backward-compute micro-batch 0": 0.1})
+    uninstall()
+    assert vars(engine) == {} and engine._INSTRUCTION_MAP is Engine._INSTRUCTION_MAP
+    engine._run(schedule.ForwardPass(0))
+    assert clock.collect()[0]["forward-compute"] == 0.0
