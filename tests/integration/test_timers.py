@@ -197,10 +197,10 @@ def test_resume_throughput_and_metrics_file_without_the_abandoned_iterations(dp2
     assert [(r["iteration"], r["window_iterations"]) for r in records] == [(4, 3), (8, 1)]
     assert records[0] == straight[4]
     # One iteration against four: on a loaded 2-core machine single iterations vary by +-30% (measured), so a
-    # pair outside 20% is relaunched, up to twice. A wrong divisor (the bug this guards against) is off by 2x or
-    # more in every pair.
+    # pair outside 20% is relaunched, up to three times (each pair ~30 s; in the quiet case none is). A wrong divisor
+    # (the bug this guards against) is off by 2x or more in every pair.
     pairs = [(straight[8]["tokens_per_second"], records[1]["tokens_per_second"])]
-    while pairs[-1][1] != pytest.approx(pairs[-1][0], rel=0.20) and len(pairs) < 3:
+    while pairs[-1][1] != pytest.approx(pairs[-1][0], rel=0.20) and len(pairs) < 4:
         pairs.append(fresh_throughput_pair(sample_data, tmp_path / f"pair{len(pairs)}"))
     assert pairs[-1][1] == pytest.approx(pairs[-1][0], rel=0.20), pairs
     # W&B could not start: one warning, and the run finished
