@@ -175,13 +175,14 @@ def test_wandb_offline_history_holds_the_logged_scalars(dp2):
 
 
 def fresh_throughput_pair(sample_data, out):
-    """tokens/s of iterations 5-8 of an uninterrupted DP 2 run and of iteration 8 of its resume from 6."""
+    """tokens/s of iterations 5-8 of an uninterrupted run and of iteration 8 of its resume from 6 (one process
+    each: half the launch time of DP 2 and less exposed to other jobs on the machine)."""
     out.mkdir()
     run_pretrain(args(sample_data, out, *TIMED, "--save", str(out / "ckpt"), "--save-interval", "6",
-                      model=DP2_MODEL), 2)
+                      model=DP2_MODEL), 1)
     resumed = out / "resumed"
     resumed.mkdir()
-    run_pretrain(args(sample_data, resumed, *TIMED, "--load", str(out / "ckpt" / "iter_0000006"), model=DP2_MODEL), 2)
+    run_pretrain(args(sample_data, resumed, *TIMED, "--load", str(out / "ckpt" / "iter_0000006"), model=DP2_MODEL), 1)
     return tuple(train_records(folder / "metrics.jsonl")[-1]["tokens_per_second"] for folder in (out, resumed))
 
 
@@ -197,8 +198,8 @@ def test_resume_throughput_and_metrics_file_without_the_abandoned_iterations(dp2
     assert [(r["iteration"], r["window_iterations"]) for r in records] == [(4, 3), (8, 1)]
     assert records[0] == straight[4]
     # One iteration against four: on a loaded 2-core machine single iterations vary by +-30% (measured), so a
-    # pair outside 20% is relaunched, up to three times (each pair ~30 s; in the quiet case none is). A wrong divisor
-    # (the bug this guards against) is off by 2x or more in every pair.
+    # pair outside 20% is relaunched, up to three times (one process each, ~15 s a pair; in the quiet case none
+    # is). A wrong divisor (the bug this guards against) is off by 2x or more in every pair.
     pairs = [(straight[8]["tokens_per_second"], records[1]["tokens_per_second"])]
     while pairs[-1][1] != pytest.approx(pairs[-1][0], rel=0.20) and len(pairs) < 4:
         pairs.append(fresh_throughput_pair(sample_data, tmp_path / f"pair{len(pairs)}"))
