@@ -16,9 +16,9 @@ import json
 import logging
 import os
 
-from megatron.config import (ATTENTION_IMPLS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
-                             OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig, UpstreamConfig,
-                             pad_vocab_size)
+from megatron.config import (ATTENTION_IMPLS, TIMING_LOG_OPTIONS, CheckpointConfig, Config, DataConfig, LoggingConfig,
+                             ModelConfig, MonitoringConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                             TrainingConfig, UpstreamConfig, pad_vocab_size)
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 _REQUIRED_HELP = "required (here or in the DeepSpeed JSON)"
@@ -178,8 +178,6 @@ def _add_upstream_compat_args(parser):
                    help="the global batch per step as the tensorboard scalar train/global_batch_size (always on here)")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="validation perplexity as the tensorboard scalar valid/ppl (always on here)")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="accepted: the per-iteration timing (ms_per_iteration) is always a tensorboard scalar here")
     g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
                    help="after each step, average over TP the parameters every TP rank holds (LayerNorms, "
                         "row-parallel biases) and their fp32 masters")
@@ -203,6 +201,30 @@ def _add_upstream_compat_args(parser):
         g.add_argument(flag, default=None, help="not supported (one line says why)")
 
 
+def _monitoring_flags(parser):
+    """Timers, profiles and Weights & Biases (Megatron-LM's names); MonitoringConfig holds them."""
+    g = parser.add_argument_group("timers and profiles")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
+                   help="0: the log line only; 1: + per-phase times, communication share, pipeline bubble, GPU "
+                   "utilization; 2: + per-micro-batch and per-layer times")
+    g.add_argument("--timing-log-option", choices=TIMING_LOG_OPTIONS, default="max",
+                   help="how phase times of the ranks are combined: max, min and max, or every rank's")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="also write the phase times to tensorboard (and W&B) as timers/<phase>")
+    g.add_argument("--profile", action="store_true", help="torch profiler trace of the iterations after "
+                   "--profile-step-start up to --profile-step-end")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks that write a trace")
+    g.add_argument("--profile-dir", default=None, help="where traces go (default: --tensorboard-dir)")
+
+    g = parser.add_argument_group("weights and biases")
+    g.add_argument("--wandb-project", default=None, help="log the tensorboard scalars to this W&B project")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B's local folder (default: --tensorboard-dir or "
+                   "--save); WANDB_MODE=offline keeps the run there")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job, in one line ending in `see --help` (no usage
     block), and prints --help once: launchers start one copy of the script per GPU."""
@@ -220,7 +242,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser():
     parser = ArgumentParser(description="Pretrain a BLOOM-architecture model with DeepSpeed", allow_abbrev=False)
     for add in (_model_flags, _parallel_flags, _training_flags, _deepspeed_flags, _data_flags,
-                _logging_checkpoint_flags, _add_upstream_compat_args):
+                _logging_checkpoint_flags, _add_upstream_compat_args, _monitoring_flags):
         add(parser)
     return parser
 
@@ -353,7 +375,11 @@ def resolve(args, world_size, ds_json=None, saved_meta=None, tokenizer_vocab_siz
                                          pad_vocab_size_to=pad_to),
         logging=_section(LoggingConfig, values, metrics_file=values["metrics_file"] or (
             os.path.join(metrics_dir, "metrics.jsonl") if metrics_dir else None)),
-        checkpoint=_section(CheckpointConfig, values), deepspeed_config=values["deepspeed_config"], upstream=upstream)
+        checkpoint=_section(CheckpointConfig, values), deepspeed_config=values["deepspeed_config"],
+        upstream=upstream,
+        monitoring=_section(MonitoringConfig, values, profile_ranks=tuple(values["profile_ranks"]),
+                            profile_dir=values["profile_dir"] or values["tensorboard_dir"],
+                            wandb_save_dir=values["wandb_save_dir"] or metrics_dir))
     return config, build_deepspeed_config(config, user)
 
 

@@ -301,6 +301,47 @@ class LoggingConfig:
     log_level: str = "info"
 
 
+# ---------------------------------------------------------------- timers, profiles, W&B (issue 22)
+TIMING_LOG_OPTIONS = ("max", "minmax", "all")
+
+
+@dataclass(frozen=True)
+class MonitoringConfig:
+    """What a run measures about itself beyond the log line: phase timers (Megatron's --timing-log-level and
+    --timing-log-option), the torch profiler window and Weights & Biases. profile_dir is resolved (it defaults to
+    --tensorboard-dir)."""
+    timing_log_level: int = 0
+    timing_log_option: str = "max"
+    log_timers_to_tensorboard: bool = False
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple = (0,)
+    profile_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+
+    def __post_init__(self):
+        if self.timing_log_level not in (0, 1, 2):
+            raise ValueError(f"--timing-log-level {self.timing_log_level} is not one of 0, 1, 2")
+        if self.timing_log_option not in TIMING_LOG_OPTIONS:
+            raise ValueError(f"--timing-log-option {self.timing_log_option} is not one of "
+                             + ", ".join(TIMING_LOG_OPTIONS))
+        if self.log_timers_to_tensorboard and self.timing_log_level == 0:
+            raise ValueError("--log-timers-to-tensorboard writes the phase timers, which --timing-log-level 0 "
+                             "does not measure; add --timing-log-level 1")
+        if not self.profile:
+            return
+        if not 0 <= self.profile_step_start < self.profile_step_end:
+            raise ValueError(f"--profile-step-start {self.profile_step_start} and --profile-step-end "
+                             f"{self.profile_step_end}: need 0 <= start < end (start 10, end 12 traces "
+                             "iterations 11 and 12)")
+        if not self.profile_dir:
+            raise ValueError("--profile needs a folder for its traces: pass --profile-dir or --tensorboard-dir")
+# ---------------------------------------------------------------- end of timers, profiles, W&B
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     save: Optional[str] = None
@@ -369,6 +410,7 @@ class Config:
     checkpoint: CheckpointConfig
     deepspeed_config: Optional[str] = None
     upstream: UpstreamConfig = UpstreamConfig()  # upstream compatibility (issue 21)
+    monitoring: MonitoringConfig = MonitoringConfig()
 
     def __post_init__(self):
         model, parallel, training = self.model, self.parallel, self.training
@@ -394,3 +436,12 @@ class Config:
         if training.partition_activations and not model.checkpoint_activations:
             raise ValueError("--partition-activations splits the activations that --checkpoint-activations keeps "
                              "across tensor-parallel ranks; add --checkpoint-activations")
+        monitoring = self.monitoring  # timers, profiles, W&B (issue 22)
+        if monitoring.profile and monitoring.profile_step_end > training.train_iters:
+            raise ValueError(f"--profile-step-end {monitoring.profile_step_end} is past the last iteration "
+                             f"({training.train_iters}); lower it or raise --train-iters")
+        if monitoring.profile and max(monitoring.profile_ranks) >= parallel.world_size:
+            raise ValueError(f"--profile-ranks {' '.join(map(str, monitoring.profile_ranks))}: the run has ranks 0 "
+                             f"to {parallel.world_size - 1}; name ranks in that range")
+        if monitoring.profile and min(monitoring.profile_ranks) < 0:
+            raise ValueError("--profile-ranks takes ranks >= 0")

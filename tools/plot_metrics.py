@@ -1,4 +1,5 @@
-"""Draws the loss, learning-rate and throughput curves of a metrics JSONL file (written by training) to a PNG.
+"""Draws the loss, learning-rate and throughput curves of a metrics JSONL file (written by training) to a PNG, and,
+for a run with --timing-log-level >= 1, where each iteration's time went (the phases stacked, max over ranks).
 
     python tools/plot_metrics.py runs/quickstart/tensorboard/metrics.jsonl --output curves.png
 """
@@ -25,12 +26,25 @@ def read_metrics(path):
     return train, valid
 
 
+PHASE_ORDER = ("batch-generator", "forward-compute", "backward-compute", "grads-all-reduce", "pipeline-send-recv",
+               "optimizer", "loss-sync")
+
+
+def phase_series(train):
+    """(iterations, {phase: [ms per iteration at each]}) of the records that carry phase timers, phases in the
+    loop's order (missing from a record: 0); ([], {}) when none does."""
+    timed = [r for r in train if r.get("timers_max")]
+    phases = [p for p in PHASE_ORDER if any(p in r["timers_max"] for r in timed)]
+    return [r["iteration"] for r in timed], {p: [r["timers_max"].get(p, 0.0) for r in timed] for p in phases}
+
+
 def plot(train, valid, output):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps_timed, phases = phase_series(train)
+    fig, axes = plt.subplots(1, 4 if phases else 3, figsize=(20 if phases else 15, 4))
     steps = [r["iteration"] for r in train]
     axes[0].plot(steps, [r["lm_loss"] for r in train], label="train")
     if valid:
@@ -41,6 +55,12 @@ def plot(train, valid, output):
     axes[1].set(title="learning rate", xlabel="iteration")
     axes[2].plot(steps, [r["tokens_per_second"] for r in train])
     axes[2].set(title="tokens per second", xlabel="iteration")
+    if phases:
+        axes[3].stackplot(steps_timed, list(phases.values()), labels=list(phases))
+        axes[3].plot(steps_timed, [r["ms_per_iteration"] for r in train if r.get("timers_max")], "k--",
+                     label="iteration time")
+        axes[3].set(title="time per iteration by phase (ms, max over ranks)", xlabel="iteration")
+        axes[3].legend(fontsize="small", loc="lower left")
     fig.tight_layout()
     tmp = output + ".tmp.png"
     fig.savefig(tmp, dpi=100)
@@ -60,7 +80,9 @@ def main(argv=None):
     except ValueError as err:
         sys.exit(f"error: {err}")
     plot(train, valid, args.output)
-    print(f"wrote {args.output} ({len(train)} training and {len(valid)} validation points)")
+    timed = len(phase_series(train)[0])
+    print(f"wrote {args.output} ({len(train)} training and {len(valid)} validation points"
+          + (f", phase timers at {timed})" if timed else ")"))
 
 
 if __name__ == "__main__":

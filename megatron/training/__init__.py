@@ -4,6 +4,8 @@
     trainer.py    Trainer: iterations, log line, evaluation, checkpoint saves, exits; train_step and evaluate
     guards.py     fatal errors, the exit signal, the NonFiniteGuard
     metrics.py    the FLOPs formula, MFU denominator, peak memory, the log line, the metrics writer
+    timers.py     phase timers (--timing-log-level): CUDA-event phase clock, engine hooks, communication share, bubble
+    monitoring.py NVML GPU utilization, the --profile window, the W&B writer
     callbacks.py  Callback: how code outside the loop (fault injection in tests, probes) joins a run
 """
 from megatron.training.callbacks import Callback

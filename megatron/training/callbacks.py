@@ -6,6 +6,7 @@ run without the loop knowing about it. Every method is optional; the Trainer cal
         on_iteration_start(trainer, iteration)
         on_phase(trainer, iteration, phase)          phase: "forward", "backward", "step" (PP: "forward" only)
         on_iteration_end(trainer, iteration, loss)
+        on_log(trainer, iteration, metrics)          after a log line (metrics: its record), before the next window
         on_checkpoint_written(trainer, iteration)    this rank's files are written, the manifest not yet
     on_train_end(trainer, summary)
 """
@@ -24,6 +25,9 @@ class Callback:
         pass
 
     def on_iteration_end(self, trainer, iteration, loss):
+        pass
+
+    def on_log(self, trainer, iteration, metrics):
         pass
 
     def on_checkpoint_written(self, trainer, iteration):

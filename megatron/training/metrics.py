@@ -1,6 +1,7 @@
 """Training metrics: model FLOPs (Megatron paper eq. 3), the measured GEMM peak for MFU, peak memory, the
 per-iteration log line (one pure function) and rank 0's metrics writer (JSON lines, tensorboard)."""
 import json
+import logging
 import os
 import time
 
@@ -8,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import comm_device
+
+logger = logging.getLogger("megatron.training")
 
 
 def model_flops_per_iteration(batch_size, seq_length, num_layers, hidden_size, vocab_size,
@@ -98,32 +101,86 @@ def loss_scale(engine):
 
 
 class MetricsWriter:
-    """Rank 0's tensorboard scalars and metrics JSON lines ({"kind": "train" | "valid", ...} per line)."""
+    """Rank 0's tensorboard scalars, metrics JSON lines ({"kind": "train" | "valid", ...} per line) and W&B run.
 
-    def __init__(self, logging_config, rank, max_queue=1000):
-        self.tb = self.jsonl = None
+    start_iteration: the iteration the run starts from. Records past it in an existing metrics file belong to an
+    abandoned run (interrupted after its last checkpoint) and are dropped, and tensorboard purges its events past
+    it, so a resumed run's curves do not join two histories. timers_to_scalars: write the phase timers as
+    timers/<phase> scalars (--log-timers-to-tensorboard); the JSON lines always hold them."""
+
+    def __init__(self, logging_config, rank, monitoring=None, start_iteration=0, run_config=None,
+                 timers_to_scalars=False, max_queue=1000):
+        self.tb = self.jsonl = self.wandb = None
+        self.timers_to_scalars = timers_to_scalars
         if rank != 0:
             return
         if logging_config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(logging_config.tensorboard_dir, max_queue=max_queue)  # --tensorboard-queue-size
+            self.tb = SummaryWriter(logging_config.tensorboard_dir, purge_step=start_iteration + 1,
+                                    max_queue=max_queue)  # --tensorboard-queue-size
         if logging_config.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(logging_config.metrics_file)), exist_ok=True)
+            drop_records_after(logging_config.metrics_file, start_iteration)
             self.jsonl = open(logging_config.metrics_file, "a")
+        if monitoring is not None and monitoring.wandb_project:
+            from megatron.training.monitoring import WandbWriter
+            self.wandb = WandbWriter(monitoring, run_config)
+
+    def scalars(self, kind, metrics):
+        """{name: value} as tensorboard and W&B get them: numbers under kind/, timers under timers/."""
+        out = {f"{kind}/{key}": value for key, value in metrics.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration"}
+        if self.timers_to_scalars:
+            out.update({f"timers/{name}": value for name, value in metrics.get("timers_max", {}).items()})
+            out.update({f"timers/{name}": value for name, value in metrics.get("timers_detail", {}).items()
+                        if isinstance(value, (int, float))})
+        return out
 
     def write(self, kind, metrics):
         if self.jsonl:
             self.jsonl.write(json.dumps({"kind": kind, **metrics}) + "\n")
             self.jsonl.flush()
-        if self.tb:
-            step = metrics["iteration"]
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key != "iteration" and value is not None:
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
-            self.tb.flush()  # on disk at each log line, like the JSON lines, whatever ends the process
+        if self.tb or self.wandb:
+            step, scalars = metrics["iteration"], self.scalars(kind, metrics)
+            if self.tb:
+                for key, value in scalars.items():
+                    self.tb.add_scalar(key, value, step)
+                self.tb.flush()  # on disk at each log line, like the JSON lines, whatever ends the process
+            if self.wandb:
+                self.wandb.log(scalars, step)
 
     def close(self):
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.close()
+
+
+def drop_records_after(path, iteration):
+    """Rewrites the metrics file `path` (if any) without the records of iterations after `iteration`; returns how
+    many were dropped. Lines that are not JSON records are kept as they are."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                kept.append(line)
+                continue
+            step = record.get("iteration") if isinstance(record, dict) else None
+            if isinstance(step, int) and step > iteration:
+                dropped += 1
+            else:
+                kept.append(line)
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        logger.info("%s: dropped %d records after iteration %d (from a run interrupted after that checkpoint)",
+                    path, dropped, iteration)
+    return dropped

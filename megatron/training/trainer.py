@@ -21,6 +21,7 @@ from megatron.core.parallel_state import comm_device
 from megatron.training.guards import ExitSignal, NonFiniteError, NonFiniteGuard, any_rank_over
 from megatron.training.metrics import (MetricsWriter, format_log_line, loss_scale, measure_matmul_tflops,
                                        model_flops_per_iteration, peak_memory_gib)
+from megatron.training.timers import format_detail, format_timing, window_timing
 
 logger = logging.getLogger("megatron.training")
 
@@ -57,29 +58,39 @@ def dp_mean(value, dp_group):
 
 
 def train_step(engine, data_iter, gradient_accumulation_steps, pipelined, dp_group=None, guard=None,
-               on_phase=None):
+               on_phase=None, clock=None):
     """One optimizer step over the global batch; returns the mean LM loss (the same on every rank).
 
     guard: NonFiniteGuard, told whether any micro batch's loss was non-finite before the boundary step.
     on_phase(phase): called before "forward", "backward" and the boundary "step" (callbacks' on_phase).
+    clock: a timers.PhaseClock (--timing-log-level >= 1) told each phase boundary; the pipeline engine's
+    boundaries are marked by the hooks timers.install_engine_hooks put on it.
     """
     on_phase = on_phase or (lambda phase: None)
+    mark = clock.mark if clock is not None else (lambda phase, micro=None: None)
     if pipelined:
         on_phase("forward")
-        return engine.train_batch(data_iter=data_iter).item()
+        loss = engine.train_batch(data_iter=data_iter)
+        mark("loss-sync")
+        return loss.item()
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for micro in range(gradient_accumulation_steps):
+        mark("batch-generator", micro)
         inputs, labels = _split(next(data_iter)["text"].to(engine.device, non_blocking=True))
         on_phase("forward")
+        mark("forward-compute", micro)
         loss = engine(inputs, labels=labels).mean()
         if guard is not None:
             guard.note_loss(loss)
         on_phase("backward")
+        mark("backward-compute", micro)
         engine.backward(loss)
         if micro == gradient_accumulation_steps - 1:
             on_phase("step")
+        mark("optimizer")
         engine.step()
         total += loss.detach()  # no host sync inside the accumulation loop
+    mark("loss-sync")
     return dp_mean(total.item() / gradient_accumulation_steps, dp_group)
 
 
@@ -111,10 +122,12 @@ class Progress:
 
 
 class _LogWindow:
-    """Losses and wall time since the last log line."""
+    """Losses and wall time since the last log line: `ran` iterations (finite or not) in `seconds()`, which
+    leaves out evaluation and checkpoint saves (`excluded`)."""
 
     def __init__(self):
-        self.loss, self.iters, self.start = 0.0, 0, time.perf_counter()
+        self.loss, self.iters, self.ran, self.excluded = 0.0, 0, 0, 0.0
+        self.start = time.perf_counter()
 
     def add(self, loss):
         self.loss += loss
@@ -122,6 +135,13 @@ class _LogWindow:
 
     def mean_loss(self):
         return self.loss / self.iters if self.iters else float("nan")
+
+    def seconds(self):
+        return time.perf_counter() - self.start - self.excluded
+
+    def restart_timing(self):
+        """Counts time and iterations from now on (the losses so far stay in the window's mean)."""
+        self.ran, self.excluded, self.start = 0, 0.0, time.perf_counter()
 
 
 class Trainer:
@@ -148,6 +168,32 @@ class Trainer:
         self.guard = NonFiniteGuard(engine, state, config.optimizer.clip_grad)
         self.losses = {}
         self.global_batch = config.training.global_batch_size  # the current one, below it during a ramp-up
+        self.clock = self.gpu_util = self.timing_level = None
+        self._timer_hooks, self._training = [], False
+        self.set_timing_level(config.monitoring.timing_log_level)
+        if config.monitoring.profile:
+            from megatron.training.monitoring import ProfilerWindow
+            self.callbacks.callbacks.append(ProfilerWindow(config.monitoring, self.state.rank))
+
+    def set_timing_level(self, level):
+        """Puts the phase timers at `level` (--timing-log-level): hooks on the engine, on the TP collectives and, at
+        level 2, on the layers. Called at construction, and by callbacks between log windows (on_log) to compare
+        levels within one run (benchmarks/timers_overhead.py)."""
+        from megatron.core.tensor_parallel import comm_timing
+        from megatron.training.monitoring import GpuUtilization
+        from megatron.training.timers import PhaseClock, install_engine_hooks, install_layer_hooks
+        for uninstall in self._timer_hooks:
+            uninstall()
+        self._timer_hooks, self.timing_level, self.clock = [], level, None
+        if level >= 1:
+            self.clock = PhaseClock(torch.cuda.is_available(), detail=level >= 2)
+            self._timer_hooks.append(install_engine_hooks(self.engine, self.clock, self.pipelined))
+            if level >= 2:
+                self._timer_hooks.append(install_layer_hooks(self.engine.module, self.clock))
+            if self.gpu_util is None:
+                self.gpu_util = GpuUtilization(warn=self.state.rank == 0)
+        if self._training:
+            comm_timing.set_collective_observer(self.clock)
 
     def _batches(self, dataset, consumed, num_workers):
         from megatron.data.samplers import build_pretraining_data_loader
@@ -156,22 +202,30 @@ class Trainer:
         return PipeBatches(iter(loader)) if self.pipelined else iter(loader)
 
     def train(self):
-        training = self.config.training
-        upstream = self.config.upstream
-        self.writer = MetricsWriter(self.config.logging, self.state.rank, max_queue=upstream.tensorboard_queue_size)
+        from megatron.core.tensor_parallel import comm_timing
+        training, monitoring, upstream = self.config.training, self.config.monitoring, self.config.upstream
+        self.writer = MetricsWriter(self.config.logging, self.state.rank, monitoring, self.progress.iteration,
+                                    dataclasses.asdict(self.config), monitoring.log_timers_to_tensorboard,
+                                    max_queue=upstream.tensorboard_queue_size)
         self.exit_signal = ExitSignal(training.exit_signal_handler)
-        self.start_time, self.window = time.time(), _LogWindow()
+        self.start_time = time.time()
         self._peak = self._peak_tflops()
         self.callbacks("on_train_start", self)
-        exit_reason = "finished"
+        self._new_window()
         if upstream.eval_only or self._kill_switch():
             return self._stop_without_training("--eval-only" if upstream.eval_only else "kill switch")
+        previous_observer = comm_timing.set_collective_observer(self.clock)
+        self._training = True
+        start_iteration = self.progress.iteration
+        exit_reason = "finished"
         try:
             while self.progress.iteration < training.train_iters:
                 nonfinite = self._iteration()
                 iteration = self.progress.iteration
                 if iteration % self.config.logging.log_interval == 0 or iteration == training.train_iters:
                     self._log()
+                elif self.window.ran == self.progress.iteration - start_iteration == 1:
+                    self._leave_out_first_iteration()
                 self._stop_if_nonfinite_too_long()
                 if training.eval_interval and iteration % training.eval_interval == 0:
                     self._evaluate()
@@ -195,6 +249,8 @@ class Trainer:
                 self._evaluate()
             self.save()
         finally:
+            self._training = False
+            comm_timing.set_collective_observer(previous_observer)
             self.writer.close()
         return self._summary(exit_reason)
 
@@ -253,11 +309,14 @@ class Trainer:
         skipped_before = int(getattr(engine, "skipped_steps", 0))
         self._set_global_batch()
         training = self.config.training
+        if self.clock is not None:
+            self.clock.new_iteration()
         try:
             loss = train_step(engine, self.data_iter,
                               self.global_batch // (training.micro_batch_size * training.data_parallel_size),
                               self.pipelined, self.state.dp_group, self.guard,
-                              on_phase=lambda phase: self.callbacks("on_phase", self, iteration, phase))
+                              on_phase=lambda phase: self.callbacks("on_phase", self, iteration, phase),
+                              clock=self.clock)
         except torch.cuda.OutOfMemoryError as err:
             raise RuntimeError(OOM_HINT) from err
         if self.config.upstream.sync_tp_duplicated_parameters:
@@ -266,8 +325,12 @@ class Trainer:
         progress.iteration = iteration
         progress.consumed_samples += self.global_batch
         self.losses[iteration] = loss
+        self.window.ran += 1
         self.callbacks("on_iteration_end", self, iteration, loss)
-        return self._check_finite(loss, int(getattr(engine, "skipped_steps", 0)) - skipped_before)
+        nonfinite = self._check_finite(loss, int(getattr(engine, "skipped_steps", 0)) - skipped_before)
+        if self.clock is not None:
+            self.clock.mark(None)
+        return nonfinite
 
     def _check_finite(self, loss, skipped):
         progress = self.progress
@@ -299,12 +362,31 @@ class Trainer:
                 "overflows: use --bf16; check --loss-scale), no or loose clipping (--clip-grad), bad data. "
                 + self._where_to_resume())
 
+    def _new_window(self):
+        self.window = _LogWindow()
+        if self.gpu_util is not None:
+            self.gpu_util.start_window()
+
+    def _leave_out_first_iteration(self):
+        """The first iteration of a process does one-time work (allocations, communicators, optimizer state); when
+        more iterations follow in its log window, it is reported on its own line and left out of the window's
+        throughput and timers, so that the first log line after a (re)start shows the run's true speed."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        logger.info("iteration %d: first iteration of this process took %.1f ms (start-up work: not counted in the "
+                    "throughput window)", self.progress.iteration, 1000 * self.window.seconds())
+        if self.clock is not None:
+            self.clock.collect()
+        self.window.restart_timing()
+        if self.gpu_util is not None:
+            self.gpu_util.start_window()
+
     def _log(self):
         config, training, progress = self.config, self.config.training, self.progress
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        interval = config.logging.log_interval
-        per_iter = (time.perf_counter() - self.window.start) / (progress.iteration % interval or interval)
+        window_seconds = self.window.seconds()
+        per_iter = window_seconds / self.window.ran  # the iterations this window ran (not iteration % interval)
         flops = model_flops_per_iteration(self.global_batch, config.model.seq_length,
                                           config.model.num_layers, config.model.hidden_size,
                                           config.model.vocab_size, config.model.checkpoint_activations)
@@ -314,6 +396,7 @@ class Trainer:
             iteration=progress.iteration, train_iters=training.train_iters,
             consumed_samples=progress.consumed_samples,
             consumed_tokens=progress.consumed_samples * config.model.seq_length, ms_per_iteration=1000 * per_iter,
+            window_iterations=self.window.ran, timing_log_level=self.timing_level,
             lr=self.scheduler.get_lr(), global_batch_size=self.global_batch,
             lm_loss=self.window.mean_loss(), loss_scale=loss_scale(self.engine), grad_norm=self.guard.grad_norm(),
             skipped_iterations=int(getattr(self.engine, "skipped_steps", 0)), nan_iterations=progress.nan_total,
@@ -321,9 +404,43 @@ class Trainer:
             tokens_per_second=self.global_batch * config.model.seq_length / per_iter,
             tflops=tflops, mfu=tflops / self._peak if self._peak and tflops is not None else None,
             **peak_memory_gib())
-        logger.info(format_log_line(metrics))
+        line = format_log_line(metrics)
+        if self.clock is not None:
+            metrics.update(self._window_timing(window_seconds))
+            line += " " + format_timing(metrics, config.monitoring.timing_log_option)
+        logger.info(line)
+        if metrics.get("timers_detail"):
+            logger.info(format_detail(progress.iteration, metrics["timers_detail"],
+                                      config.monitoring.timing_log_option))
         self.writer.write("train", metrics)
-        self.window = _LogWindow()
+        self.callbacks("on_log", self, progress.iteration, metrics)
+        self._new_window()
+
+    def _window_timing(self, window_seconds):
+        """Level >= 1: the window's phase times, shares and utilization (collective)."""
+        phases, detail = self.clock.collect()
+        return window_timing(phases, detail if self.clock.detail else None, self.window.ran, window_seconds,
+                             self.config.monitoring.timing_log_option, self.state.pipeline_model_parallel_size,
+                             self.config.training.gradient_accumulation_steps,
+                             self.gpu_util.window_mean() if self.gpu_util is not None else None)
+
+    def _timed_apart(self, work):
+        """Runs work() outside the throughput window and the phase timers; returns (its result, seconds)."""
+        if self.clock is not None:
+            self.clock.pause()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            result = work()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        finally:
+            seconds = time.perf_counter() - start
+            self.window.excluded += seconds
+            if self.clock is not None:
+                self.clock.resume()
+        return result, seconds
 
     def _peak_tflops(self):
         if self.config.logging.peak_tflops:
@@ -334,11 +451,13 @@ class Trainer:
         if self.valid_ds is None:
             return
         iteration = self.progress.iteration
-        loss = evaluate(self.engine, self._batches(self.valid_ds, 0, 0), self.config.training.eval_iters,
-                        self.pipelined, self.state.dp_group)
+        loss, seconds = self._timed_apart(lambda: evaluate(
+            self.engine, self._batches(self.valid_ds, 0, 0), self.config.training.eval_iters, self.pipelined,
+            self.state.dp_group))
         ppl = math.exp(min(20.0, loss))
-        logger.info("validation at iteration %d | lm loss: %.6E | lm loss PPL: %.6E |", iteration, loss, ppl)
-        self.writer.write("valid", {"iteration": iteration, "lm_loss": loss, "ppl": ppl})
+        logger.info("validation at iteration %d | lm loss: %.6E | lm loss PPL: %.6E | time (ms): %.1f |", iteration,
+                    loss, ppl, 1000 * seconds)
+        self.writer.write("valid", {"iteration": iteration, "lm_loss": loss, "ppl": ppl, "ms": 1000 * seconds})
 
     def save(self):
         """Saves the current iteration to --save (once per iteration; nothing without --save)."""
@@ -346,9 +465,11 @@ class Trainer:
         if not ckpt.save or progress.last_saved == progress.iteration:
             return
         iteration = progress.iteration
-        checkpoint_save.save_checkpoint(
+        _, seconds = self._timed_apart(lambda: checkpoint_save.save_checkpoint(
             self.engine, self.config, self.state, iteration, progress.consumed_samples, self.tokenizer,
-            on_written=lambda folder: self.callbacks("on_checkpoint_written", self, iteration))
+            on_written=lambda folder: self.callbacks("on_checkpoint_written", self, iteration)))
+        logger.info("checkpoint save at iteration %d | time (ms): %.1f | (not counted in the throughput)",
+                    iteration, 1000 * seconds)
         progress.last_saved = iteration
         progress.last_good = (iteration, ckpt.save)
 

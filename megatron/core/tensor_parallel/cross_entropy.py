@@ -17,6 +17,8 @@ is fp64 when the torch ops serve, which keeps exp(z - lse) exact for large logit
 """
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel import comm_timing
+
 from megatron.core.tensor_parallel.mappings import get_group_size_and_rank
 from megatron.fused_kernels.cross_entropy import fused_cross_entropy, sliced_cross_entropy
 
@@ -26,10 +28,14 @@ def _combine_over(group):
 
     def combine(lse, predicted):
         lse_max = lse.clone()
+        token = comm_timing.begin()
         dist.all_reduce(lse_max, op=dist.ReduceOp.MAX, group=group)
+        comm_timing.end(token)
         sum_exp = (lse - lse_max).exp_()
+        token = comm_timing.begin()
         dist.all_reduce(sum_exp, group=group)
         dist.all_reduce(predicted, group=group)
+        comm_timing.end(token)
         return sum_exp.log_().add_(lse_max), predicted
 
     return combine

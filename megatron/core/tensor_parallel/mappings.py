@@ -14,6 +14,8 @@ one rank every mapping is the identity.
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel import comm_timing
+
 
 def get_group_size_and_rank(group):
     """(size, this process's rank in group); (1, 0) for None (no tensor parallelism)."""
@@ -24,7 +26,9 @@ def get_group_size_and_rank(group):
 
 def _all_reduce(x, group):
     x = x.contiguous()
+    token = comm_timing.begin()
     dist.all_reduce(x, group=group)
+    comm_timing.end(token)
     return x
 
 
@@ -38,7 +42,9 @@ def _split_last_dim(x, group):
 def _gather_last_dim(x, group):
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size())]
+    token = comm_timing.begin()
     dist.all_gather(parts, x, group=group)
+    comm_timing.end(token)
     return torch.cat(parts, dim=-1)
 
 
