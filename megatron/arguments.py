@@ -210,7 +210,8 @@ def _monitoring_flags(parser):
     g.add_argument("--timing-log-option", choices=TIMING_LOG_OPTIONS, default="max",
                    help="how phase times of the ranks are combined: max, min and max, or every rank's")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="also write the phase times to tensorboard (and W&B) as timers/<phase>")
+                   help="also write the phase times to tensorboard (and W&B) as timers/<phase> (alone, as in "
+                   "BLOOM's tr11 recipe, it turns on --timing-log-level 1)")
     g.add_argument("--profile", action="store_true", help="torch profiler trace of the iterations after "
                    "--profile-step-start up to --profile-step-end")
     g.add_argument("--profile-step-start", type=int, default=10)
@@ -378,6 +379,8 @@ def resolve(args, world_size, ds_json=None, saved_meta=None, tokenizer_vocab_siz
         checkpoint=_section(CheckpointConfig, values), deepspeed_config=values["deepspeed_config"],
         upstream=upstream,
         monitoring=_section(MonitoringConfig, values, profile_ranks=tuple(values["profile_ranks"]),
+                            # upstream's --log-timers-to-tensorboard alone (BLOOM's tr11) asks for the timers
+                            timing_log_level=values["timing_log_level"] or int(values["log_timers_to_tensorboard"]),
                             profile_dir=values["profile_dir"] or values["tensorboard_dir"],
                             wandb_save_dir=values["wandb_save_dir"] or metrics_dir))
     return config, build_deepspeed_config(config, user)

@@ -143,6 +143,17 @@ def test_monitoring_config_errors(fields, message):
     assert str(err.value) == message
 
 
+def test_log_timers_to_tensorboard_alone_turns_on_level_one():
+    """Upstream's flag (BLOOM's tr11 recipe passes it without --timing-log-level) asks for the timers."""
+    from megatron.arguments import load_and_resolve
+    base = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--mock-vocab-size", "64"]
+    for extra, level in (([], 0), (["--log-timers-to-tensorboard"], 1),
+                         (["--log-timers-to-tensorboard", "--timing-log-level", "2"], 2)):
+        assert load_and_resolve(base + extra, world_size=1)[0].monitoring.timing_log_level == level
+
+
 def test_profiler_window_iterations():
     assert list(profiled_iterations(SimpleNamespace(profile_step_start=10, profile_step_end=12))) == [11, 12]
     assert list(profiled_iterations(SimpleNamespace(profile_step_start=0, profile_step_end=1))) == [1]
