@@ -1,0 +1,218 @@
+"""Token log-probabilities from a BLOOM model on any TP x PP layout: the primitive evaluation and the server share.
+
+    scorer = Scorer.for_bloom_model(model, vocab_limit=tokenizer.vocab_size)     # PP 1, any TP
+    scorer = Scorer.for_pipeline_module(engine.module, state, vocab_limit)      # training's DeepSpeed pipeline
+    scorer = Scorer(EvalStage(...), state, vocab_limit)                          # a stage built from a checkpoint
+    out = scorer.score([[5, 9, 13, 2]], [(1, [13, 2])], top_n=2)
+    out[0].logprobs, out[0].greedy, out[0].top_ids, out[0].top_logprobs     # per scored token
+
+Row r's inputs run through the model once (rows right-padded: attention is causal, so padding never reaches a
+real position); the LM head runs only on the positions whose next token is scored: (start, targets) scores the
+logits at positions start .. start + len(targets) - 1 (position p predicts token p + 1) against targets. The head's logits of the TP ranks' vocabulary slices
+are gathered, the padding rows of the vocabulary (ids >= vocab_limit) are set to -inf, then log_softmax in fp32.
+
+Pipeline parallelism: stage k receives the (B, S, H) hidden states from stage k - 1 and sends its own to k + 1; the
+last stage scores and broadcasts the results over its pipeline group, so every rank returns the same values.
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import ParallelState
+
+HEAD_CHUNK = 2048  # positions per LM-head pass: bounds the (N, V) fp32 logits alive at once
+
+
+@dataclasses.dataclass
+class Scored:
+    """One row's scored tokens: log p(target), whether the target is the argmax, and the top-n alternatives."""
+    logprobs: list
+    greedy: list
+    top_ids: list = None
+    top_logprobs: list = None
+
+    @property
+    def total(self):
+        return sum(self.logprobs)
+
+    @property
+    def is_greedy(self):
+        return all(self.greedy)
+
+
+class EvalStage(nn.Module):
+    """The layers of one pipeline stage of a BloomModel, named as BloomModel names them (layers.N.* keep their
+    global N), so a checkpoint's canonical tensors load straight in. The first stage embeds; the last applies the
+    final LayerNorm and holds the tied word embeddings for the LM head."""
+
+    def __init__(self, config, layer_ids, first, last, tp_group=None):
+        super().__init__()
+        from megatron.model.bloom import BloomBlock, BloomEmbedding, make_layernorm
+
+        self.config, self.first, self.last = config, first, last
+        self.embedding = BloomEmbedding(config, tp_group) if first or last else None
+        self.layers = nn.ModuleDict({str(i): BloomBlock(config, i, tp_group) for i in layer_ids})
+        self.final_layernorm = make_layernorm(config, config.hidden_size) if last else None
+
+    def forward(self, x):
+        """ids (B, S) on the first stage, hidden states (B, S, H) on the others -> (B, S, H)."""
+        if self.first:
+            x = self.embedding(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.final_layernorm(x) if self.last else x
+
+    @property
+    def head_weight(self):
+        return self.embedding.word_embeddings.weight if self.last else None
+
+
+class Scorer:
+    """Log-probabilities of target tokens (see the module docstring) on this rank's part of the model.
+
+    forward_stage: ids or hidden (B, S, H) -> this stage's output hidden (B, S, H); head_weight: the (V/p, H)
+    word embeddings on the last stage. state: the ParallelState (TP and PP groups and ranks)."""
+
+    def __init__(self, forward_stage, head_weight, state=None, vocab_limit=None, hidden_size=None, dtype=None,
+                 device=None):
+        self.forward_stage, self.head_weight = forward_stage, head_weight
+        self.state = state or ParallelState()
+        self.vocab_limit = vocab_limit
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device or "cpu")
+        pp, rank = self.state.pipeline_model_parallel_size, self.state.pp_rank
+        self.first, self.last = rank == 0, rank == pp - 1
+        self.prev_rank = self.state.pp_ranks[rank - 1] if pp > 1 and not self.first else None
+        self.next_rank = self.state.pp_ranks[rank + 1] if pp > 1 and not self.last else None
+
+    # ---- construction ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def for_bloom_model(cls, model, vocab_limit=None, state=None):
+        """A BloomModel (PP 1; TP over model.tp_group)."""
+        param = next(model.parameters())
+        state = state or ParallelState(tensor_model_parallel_size=model.tp_size, tp_group=model.tp_group)
+        return cls(model.hidden_states, model.embedding.word_embeddings.weight, state, vocab_limit,
+                   model.config.hidden_size, param.dtype, param.device)
+
+    @classmethod
+    def for_stage(cls, stage, state, vocab_limit=None):
+        """An EvalStage of this rank (any TP x PP)."""
+        param = next(stage.parameters())
+        return cls(stage, stage.head_weight, state, vocab_limit, stage.config.hidden_size, param.dtype,
+                   param.device)
+
+    @classmethod
+    def for_pipeline_module(cls, module, state, config, vocab_limit=None):
+        """This rank's stage of training's DeepSpeed PipelineModule (megatron/model/pipeline.py): its layers run
+        in order, except the LM head, which the scorer applies to the scored positions only."""
+        funcs = list(module.forward_funcs)
+        last = module._local_stop is None or module._local_stop >= len(module._layer_specs)
+        if last:
+            funcs = funcs[:-1]  # the tied LM head (TiedLayerSpec with forward_fn)
+
+        def forward_stage(x):
+            for func in funcs:
+                x = func(x)
+            return x
+
+        head = module.tied_modules["embed"].word_embeddings.weight if last else None
+        param = next(module.parameters())
+        return cls(forward_stage, head, state, vocab_limit, config.hidden_size, param.dtype, param.device)
+
+    # ---- scoring -----------------------------------------------------------------------------------------------
+
+    def _hidden(self, ids):
+        """(B, S) ids -> the last stage's (B, S, H) hidden states (None on the other stages)."""
+        if self.first:
+            x = self.forward_stage(ids)
+        else:
+            x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=self.prev_rank)
+            x = self.forward_stage(x)
+        if not self.last:
+            dist.send(x.contiguous(), dst=self.next_rank)
+            return None
+        return x
+
+    def _logprobs(self, hidden):
+        """(N, H) -> (N, V) fp32 log-probabilities over the real vocabulary (padding rows at -inf)."""
+        logits = F.linear(hidden, self.head_weight)
+        if self.state.tensor_model_parallel_size > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.state.tp_group)
+        logits = logits.float()
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits[:, self.vocab_limit:] = float("-inf")
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def score(self, rows, spans, top_n=0):
+        """rows: token lists (the inputs); spans: per row (start, targets): the logits at positions start,
+        start + 1, ... are scored against targets. Returns a Scored per row, the same on every rank."""
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        row_index, positions, targets = [], [], []
+        for i, (start, tgt) in enumerate(spans):
+            if start < 0 or start + len(tgt) > len(rows[i]):
+                raise ValueError(f"row {i}: positions {start}..{start + len(tgt) - 1} lie outside its "
+                                 f"{len(rows[i])} tokens")
+            row_index += [i] * len(tgt)
+            positions += range(start, start + len(tgt))
+            targets += list(tgt)
+        columns = 2 + 2 * top_n
+        packed = torch.empty(len(targets), columns, dtype=torch.float64, device=self.device)
+        hidden = self._hidden(ids.to(self.device))
+        if self.last and targets:
+            sel = hidden[torch.tensor(row_index, device=self.device), torch.tensor(positions, device=self.device)]
+            tgt = torch.tensor(targets, device=self.device)
+            for a in range(0, len(targets), HEAD_CHUNK):
+                logp = self._logprobs(sel[a:a + HEAD_CHUNK])
+                t = tgt[a:a + HEAD_CHUNK]
+                packed[a:a + len(t), 0] = logp.gather(1, t[:, None])[:, 0].double()
+                packed[a:a + len(t), 1] = (logp.argmax(-1) == t).double()
+                if top_n:
+                    values, indices = logp.topk(top_n, dim=-1)
+                    packed[a:a + len(t), 2:2 + top_n] = indices.double()
+                    packed[a:a + len(t), 2 + top_n:] = values.double()
+        if self.state.pipeline_model_parallel_size > 1 and targets:
+            dist.broadcast(packed, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+        values = packed.cpu().tolist()
+        out, k = [], 0
+        for _, tgt in spans:
+            chunk = values[k:k + len(tgt)]
+            k += len(tgt)
+            scored = Scored([c[0] for c in chunk], [c[1] > 0.5 for c in chunk])
+            if top_n:
+                scored.top_ids = [[int(x) for x in c[2:2 + top_n]] for c in chunk]
+                scored.top_logprobs = [c[2 + top_n:] for c in chunk]
+            out.append(scored)
+        return out
+
+    @torch.no_grad()
+    def next_token_logprobs(self, rows):
+        """(B, V) fp32 log-probabilities of the token after each row's last one (padding rows at -inf), on every
+        rank: the no-cache decoding step of pipeline-parallel generation."""
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        hidden = self._hidden(ids.to(self.device))
+        vocab = self.vocab_limit
+        out = None
+        if self.last:
+            last = hidden[torch.arange(len(rows), device=self.device),
+                          torch.tensor([len(r) - 1 for r in rows], device=self.device)]
+            out = self._logprobs(last)
+            vocab = out.shape[1]
+        if self.state.pipeline_model_parallel_size > 1:
+            size = torch.tensor([vocab or 0], dtype=torch.long, device=self.device)
+            dist.broadcast(size, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+            if out is None:
+                out = torch.empty(len(rows), int(size), dtype=torch.float32, device=self.device)
+            dist.broadcast(out, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+        return out
