@@ -1,7 +1,6 @@
 """megatron.evaluation: lm-evaluation-harness on our model, any TP x PP layout, during training and through the server.
 
-    scoring.py    Scorer: token log-probs (LM head on the scored positions only, padding rows of the vocabulary
-                  masked, pipeline stages chained), EvalStage (one pipeline stage built from a checkpoint)
+    (megatron/inference/scoring.py: Scorer, the token log-probs this package and the server share)
     harness.py    MegatronLM: lm-eval's LM ("megatron"): loglikelihood, loglikelihood_rolling, generate_until;
                   run_tasks / task_manager / flat_metrics
     loading.py    this rank's slice of a checkpoint or HF folder (tools/evaluate.py)

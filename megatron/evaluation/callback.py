@@ -51,7 +51,7 @@ class EvalHarnessCallback(Callback):
 
     def _lm(self, trainer):
         from megatron.evaluation.harness import MegatronLM
-        from megatron.evaluation.scoring import Scorer
+        from megatron.inference.scoring import Scorer
 
         module, state = trainer.engine.module, trainer.state
         vocab = self.tokenizer.vocab_size

@@ -12,7 +12,7 @@ import torch
 from megatron.checkpoint.convert import CheckpointReader, read_shard_for, stage_names
 from megatron.checkpoint.hf import HFReader, is_hf_folder
 from megatron.core import parallel_state
-from megatron.evaluation.scoring import EvalStage, Scorer
+from megatron.inference.scoring import EvalStage, Scorer
 from megatron.tokenizer import build_tokenizer
 
 
