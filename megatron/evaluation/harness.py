@@ -3,9 +3,10 @@
     lm = MegatronLM(scorer, tokenizer, max_length=2048, batch_size=32, model=bloom_model)  # model: PP 1 only
     results = run_tasks(lm, ["lambada_openai", "hellaswag"], include_path="examples/eval", limit=100)
 
-- loglikelihood: lm-eval's TemplateLM tokenizes (context, continuation) pairs; the requests run longest first in
-  batches of batch_size rows (right-padded), each truncated on the left to max_length + 1 tokens as lm-eval's hf
-  backend does; the LM head runs only on the continuation's positions (scoring.Scorer).
+- loglikelihood: lm-eval's TemplateLM tokenizes (context, continuation) pairs, each truncated on the left to
+  max_length + 1 tokens as lm-eval's hf backend does; requests sharing a context (a multiple-choice question's
+  answers) run its tokens once and their continuations against its KV cache, longest first, batch_size
+  continuations per batch; the LM head runs only on the continuation's positions (scoring.Scorer).
 - loglikelihood_rolling: the text in disjoint windows of max_length tokens (lm-eval's get_rolling_token_windows,
   the first window after the prefix token), each window's tokens scored, summed per text.
 - generate_until: InferenceEngine (KV cache, continuous batching; greedy or sampled, seeded per request) when the
@@ -108,27 +109,42 @@ class MegatronLM(TemplateLM):
     # ---- log-likelihoods ---------------------------------------------------------------------------------------
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
-        """requests: ((context, continuation) or None, context ids, continuation ids) -> (log p, is greedy)."""
-        items = []
-        for key, context, continuation in requests:
+        """requests: ((context, continuation) or None, context ids, continuation ids) -> (log p, is greedy).
+
+        Each (context, continuation) is truncated on the left to max_length + 1 tokens (the hf backend's rule);
+        requests with the same (truncated) context form a group whose context runs once
+        (Scorer.score_continuations); groups run longest first, batch_size continuations per batch."""
+        groups = {}  # truncated context -> [request index, ...]
+        conts = []
+        for index, (key, context, continuation) in enumerate(requests):
             if not continuation:
                 raise ValueError(f"a loglikelihood request has an empty continuation (context {key!r})")
             if len(continuation) > self.max_length:
                 raise ValueError(f"a continuation of {len(continuation)} tokens exceeds the model's context of "
                                  f"{self.max_length} tokens")
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
-            inputs = whole[:-1]
-            items.append((inputs, (len(inputs) - len(continuation), list(continuation))))
-        order = sorted(range(len(items)), key=lambda i: (-len(items[i][0]), i))
-        batches = [order[a:a + self.batch_size] for a in range(0, len(order), self.batch_size)]
+            prefix = tuple(whole[:len(whole) - len(continuation)])
+            groups.setdefault(prefix, []).append(index)
+            conts.append(list(continuation))
+        ordered = sorted(groups.items(), key=lambda item: (-(len(item[0]) + max(len(conts[i]) for i in item[1])),
+                                                           item[1][0]))
+        batches, current, rows = [], [], 0
+        for prefix, members in ordered:
+            if current and rows + len(members) > self.batch_size:
+                batches.append(current)
+                current, rows = [], 0
+            current.append((prefix, members))
+            rows += len(members)
+        if current:
+            batches.append(current)
 
         def run(batch):
-            scored = self.scorer.score([items[i][0] for i in batch], [items[i][1] for i in batch])
-            return [(s.total, s.is_greedy) for s in scored]
+            scored = self.scorer.score_continuations([(list(p), [conts[i] for i in m]) for p, m in batch])
+            return [(s.total, s.is_greedy) for group in scored for s in group]
 
-        results = [None] * len(items)
+        results = [None] * len(requests)
         for batch, answers in zip(batches, self._dp_map(batches, run)):
-            for i, answer in zip(batch, answers):
+            for i, answer in zip((i for _, members in batch for i in members), answers):
                 results[i] = answer
         for (key, _, _), answer in zip(requests, results):
             if key is not None:

@@ -54,7 +54,7 @@ def build_rank_model(reader, state, dtype, device):
     from megatron.model.bloom import BloomModel
 
     tp, pp = state.tensor_model_parallel_size, state.pipeline_model_parallel_size
-    config = dataclasses.replace(reader.config, tensor_model_parallel_size=tp, attention_impl="torch",
+    config = dataclasses.replace(reader.config, tensor_model_parallel_size=tp, attention_impl="sdpa",
                                  hidden_dropout=0.0, attention_dropout=0.0)
     stages = stage_names(reader.config, tp, pp, tp_flag="--tensor-model-parallel-size",
                          pp_flag="--pipeline-model-parallel-size")

@@ -78,8 +78,9 @@ class Scorer:
     word embeddings on the last stage. state: the ParallelState (TP and PP groups and ranks)."""
 
     def __init__(self, forward_stage, head_weight, state=None, vocab_limit=None, hidden_size=None, dtype=None,
-                 device=None):
+                 device=None, model=None):
         self.forward_stage, self.head_weight = forward_stage, head_weight
+        self.model = model  # a BloomModel (PP 1): score_continuations shares each prefix through a KV cache
         self.state = state or ParallelState()
         self.vocab_limit = vocab_limit
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device or "cpu")
@@ -96,7 +97,7 @@ class Scorer:
         param = next(model.parameters())
         state = state or ParallelState(tensor_model_parallel_size=model.tp_size, tp_group=model.tp_group)
         return cls(model.hidden_states, model.embedding.word_embeddings.weight, state, vocab_limit,
-                   model.config.hidden_size, param.dtype, param.device)
+                   model.config.hidden_size, param.dtype, param.device, model=model)
 
     @classmethod
     def for_stage(cls, stage, state, vocab_limit=None):
@@ -148,6 +149,92 @@ class Scorer:
             logits[:, self.vocab_limit:] = float("-inf")
         return torch.log_softmax(logits, dim=-1)
 
+    def _pack(self, sel, targets, top_n):
+        """(N, H) hidden states of the scored positions and their N targets -> (N, 2 + 2 top_n) float64 rows:
+        log p(target), target == argmax, top_n ids, top_n log-probs (the LM head in chunks of HEAD_CHUNK)."""
+        packed = torch.empty(len(targets), 2 + 2 * top_n, dtype=torch.float64, device=self.device)
+        tgt = torch.tensor(targets, device=self.device)
+        for a in range(0, len(targets), HEAD_CHUNK):
+            logp = self._logprobs(sel[a:a + HEAD_CHUNK])
+            t = tgt[a:a + HEAD_CHUNK]
+            packed[a:a + len(t), 0] = logp.gather(1, t[:, None])[:, 0].double()
+            packed[a:a + len(t), 1] = (logp.argmax(-1) == t).double()
+            if top_n:
+                values, indices = logp.topk(top_n, dim=-1)
+                packed[a:a + len(t), 2:2 + top_n] = indices.double()
+                packed[a:a + len(t), 2 + top_n:] = values.double()
+        return packed
+
+    @staticmethod
+    def _unpack(packed, lengths, top_n):
+        values, out, k = packed.cpu().tolist(), [], 0
+        for n in lengths:
+            chunk = values[k:k + n]
+            k += n
+            scored = Scored([c[0] for c in chunk], [c[1] > 0.5 for c in chunk])
+            if top_n:
+                scored.top_ids = [[int(x) for x in c[2:2 + top_n]] for c in chunk]
+                scored.top_logprobs = [c[2 + top_n:] for c in chunk]
+            out.append(scored)
+        return out
+
+    @torch.no_grad()
+    def score_continuations(self, groups, top_n=0):
+        """groups: [(prefix ids, [continuation ids, ...]), ...] -> per group, a Scored per continuation: log p of
+        each continuation token given the prefix and the continuation's earlier tokens.
+
+        With a BloomModel (PP 1) each prefix runs once: the prefixes left-padded (ALiBi depends only on the
+        distance, padded keys masked) into a KV cache, then every continuation's tokens but its last as one
+        right-padded batch attending to its group's cached prefix; the prefix's last position predicts the first
+        token. Multiple-choice requests (one context, several answers) so cost one context pass. Otherwise (PP >
+        1) each continuation is scored in full by score()."""
+        if self.model is None:
+            rows = [list(p) + list(c)[:-1] for p, conts in groups for c in conts]
+            spans = [(len(p) - 1, list(c)) for p, conts in groups for c in conts]
+            flat = iter(self.score(rows, spans, top_n))
+            return [[next(flat) for _ in conts] for _, conts in groups]
+        from megatron.model.bloom import InferenceCache
+
+        model, device = self.model, self.device
+        width = max(len(p) for p, _ in groups)
+        ids = torch.zeros(len(groups), width, dtype=torch.long)
+        mask = torch.zeros(len(groups), width, dtype=torch.bool)
+        for g, (prefix, _) in enumerate(groups):
+            ids[g, width - len(prefix):] = torch.tensor(prefix, dtype=torch.long)
+            mask[g, width - len(prefix):] = True
+        ids, mask = ids.to(device), mask.to(device)
+        padded = not bool(mask.all())
+        cache = InferenceCache(model.config.num_layers)
+        last = model.hidden_states(ids, attention_mask=mask if padded else None, cache=cache)[:, -1]  # (G, H)
+        conts = [(g, list(c)) for g, (_, cs) in enumerate(groups) for c in cs]
+        suffix = max(len(c) for _, c in conts) - 1
+        parts = [last[torch.tensor([g for g, _ in conts], device=device)]]  # each row's first prediction
+        if suffix > 0:
+            rows = torch.tensor([g for g, _ in conts], device=device)
+            sids = torch.zeros(len(conts), suffix, dtype=torch.long)
+            for r, (_, c) in enumerate(conts):
+                sids[r, :len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+            expanded = InferenceCache(model.config.num_layers)
+            for mine, theirs in zip(expanded.layers, cache.layers):
+                mine.k, mine.v = theirs.k.index_select(0, rows), theirs.v.index_select(0, rows)
+            keys = torch.cat([mask.index_select(0, rows), torch.ones(len(conts), suffix, dtype=torch.bool,
+                                                                     device=device)], dim=1)
+            hidden = model.hidden_states(sids.to(device), attention_mask=keys if padded else None, cache=expanded)
+            row_index = [r for r, (_, c) in enumerate(conts) for _ in range(len(c) - 1)]
+            col_index = [i for _, c in conts for i in range(len(c) - 1)]
+            if row_index:
+                parts.append(hidden[torch.tensor(row_index, device=device), torch.tensor(col_index, device=device)])
+        # order the scored positions row by row: first prediction, then the suffix's
+        order, k_first, k_rest = [], 0, len(conts)
+        for _, c in conts:
+            order.append(k_first)
+            order += range(k_rest, k_rest + len(c) - 1)
+            k_first, k_rest = k_first + 1, k_rest + len(c) - 1
+        sel = torch.cat(parts)[torch.tensor(order, device=device)]
+        targets = [t for _, c in conts for t in c]
+        flat = iter(self._unpack(self._pack(sel, targets, top_n), [len(c) for _, c in conts], top_n))
+        return [[next(flat) for _ in cs] for _, cs in groups]
+
     @torch.no_grad()
     def score(self, rows, spans, top_n=0):
         """rows: token lists (the inputs); spans: per row (start, targets): the logits at positions start,
@@ -164,34 +251,15 @@ class Scorer:
             row_index += [i] * len(tgt)
             positions += range(start, start + len(tgt))
             targets += list(tgt)
-        columns = 2 + 2 * top_n
-        packed = torch.empty(len(targets), columns, dtype=torch.float64, device=self.device)
         hidden = self._hidden(ids.to(self.device))
         if self.last and targets:
             sel = hidden[torch.tensor(row_index, device=self.device), torch.tensor(positions, device=self.device)]
-            tgt = torch.tensor(targets, device=self.device)
-            for a in range(0, len(targets), HEAD_CHUNK):
-                logp = self._logprobs(sel[a:a + HEAD_CHUNK])
-                t = tgt[a:a + HEAD_CHUNK]
-                packed[a:a + len(t), 0] = logp.gather(1, t[:, None])[:, 0].double()
-                packed[a:a + len(t), 1] = (logp.argmax(-1) == t).double()
-                if top_n:
-                    values, indices = logp.topk(top_n, dim=-1)
-                    packed[a:a + len(t), 2:2 + top_n] = indices.double()
-                    packed[a:a + len(t), 2 + top_n:] = values.double()
+            packed = self._pack(sel, targets, top_n)
+        else:
+            packed = torch.empty(len(targets), 2 + 2 * top_n, dtype=torch.float64, device=self.device)
         if self.state.pipeline_model_parallel_size > 1 and targets:
             dist.broadcast(packed, src=self.state.pp_ranks[-1], group=self.state.pp_group)
-        values = packed.cpu().tolist()
-        out, k = [], 0
-        for _, tgt in spans:
-            chunk = values[k:k + len(tgt)]
-            k += len(tgt)
-            scored = Scored([c[0] for c in chunk], [c[1] > 0.5 for c in chunk])
-            if top_n:
-                scored.top_ids = [[int(x) for x in c[2:2 + top_n]] for c in chunk]
-                scored.top_logprobs = [c[2 + top_n:] for c in chunk]
-            out.append(scored)
-        return out
+        return self._unpack(packed, [len(t) for _, t in spans], top_n)
 
     @torch.no_grad()
     def next_token_logprobs(self, rows):
