@@ -68,29 +68,6 @@ def check_args(args):
     return tasks
 
 
-def build_lm(args, world):
-    """(MegatronLM, ParallelState) for the parsed arguments on this rank."""
-    from megatron.checkpoint.convert import DTYPES
-    from megatron.evaluation import loading
-    from megatron.evaluation.harness import MegatronLM
-
-    import torch
-
-    reader = loading.open_reader(args.load)
-    tokenizer = loading.load_tokenizer(reader, args.tokenizer_name_or_path)
-    tp, pp = loading.layout_for(reader, world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    state = loading.setup_parallel(tp, pp)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (reader.dtype if device == "cuda" else torch.float32)
-    module, scorer = loading.build_rank_model(reader, state, dtype, device)
-    reader.close()
-    scorer.vocab_limit = tokenizer.vocab_size
-    max_length = args.max_length or reader.config.seq_length
-    lm = MegatronLM(scorer, tokenizer, max_length, args.batch_size, model=module if pp == 1 else None,
-                    state=state, seed=args.seed)
-    return lm, state
-
-
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -100,7 +77,10 @@ def main(argv=None):
         tasks = check_args(args)
         from megatron.evaluation.harness import task_manager
         task_manager(tasks, args.include_path)  # unknown tasks fail before the model loads
-        lm, state = build_lm(args, world)
+        from megatron.evaluation.loading import build_lm
+        lm, state = build_lm(args.load, world, args.batch_size, args.tokenizer_name_or_path, args.dtype,
+                             args.max_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                             args.seed)
     except (ValueError, RuntimeError) as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)

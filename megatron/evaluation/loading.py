@@ -91,3 +91,25 @@ def setup_parallel(tp, pp):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return parallel_state.initialize_model_parallel(tp, pp)
+
+
+def build_lm(load, world_size=1, batch_size=16, tokenizer_dir=None, dtype_flag="auto", max_length=None, tp=None,
+             pp=None, seed=1234):
+    """(MegatronLM, ParallelState) of --load on this rank (tools/evaluate.py's flags, as values)."""
+    from megatron.checkpoint.convert import DTYPES
+    from megatron.evaluation.harness import MegatronLM
+
+    reader = open_reader(load)
+    try:
+        tokenizer = load_tokenizer(reader, tokenizer_dir)
+        tp, pp = layout_for(reader, world_size, tp, pp)
+        state = setup_parallel(tp, pp)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = DTYPES[dtype_flag] if dtype_flag != "auto" else (reader.dtype if device == "cuda" else torch.float32)
+        module, scorer = build_rank_model(reader, state, dtype, device)
+    finally:
+        reader.close()
+    scorer.vocab_limit = tokenizer.vocab_size
+    lm = MegatronLM(scorer, tokenizer, max_length or reader.config.seq_length, batch_size,
+                    model=module if pp == 1 else None, state=state, seed=seed)
+    return lm, state
