@@ -324,10 +324,10 @@ class EvalHarnessConfig:
     eval_harness_num_fewshot: Optional[int] = None
 
     def __post_init__(self):
-        if self.eval_harness_tasks and not self.eval_harness_interval:
-            raise ValueError("--eval-harness-tasks needs --eval-harness-interval N (iterations between runs)")
         if self.eval_harness_interval is not None and self.eval_harness_interval < 1:
             raise ValueError(f"--eval-harness-interval {self.eval_harness_interval} must be at least 1")
+        if self.eval_harness_tasks and not self.eval_harness_interval:
+            raise ValueError("--eval-harness-tasks needs --eval-harness-interval N (iterations between runs)")
         if self.eval_harness_interval and not self.eval_harness_tasks:
             raise ValueError("--eval-harness-interval is set but --eval-harness-tasks names no task; add "
                              "--eval-harness-tasks TASK[,TASK...] or drop the interval")
