@@ -104,7 +104,8 @@ class EvalHarnessCallback(Callback):
                                    task, iteration, type(err).__name__, str(err).splitlines()[0][:300] if str(err)
                                    else "")
                     continue
-                metrics.update(flat_metrics(results))
+                if results is not None:  # lm-eval returns them on local rank 0 only
+                    metrics.update(flat_metrics(results))
         seconds = time.perf_counter() - start
         logger.info(format_harness_line(iteration, metrics, seconds))
         writer = getattr(trainer, "writer", None)

@@ -269,7 +269,8 @@ def task_manager(tasks, include_path=None):
 
 def run_tasks(lm, tasks, include_path=None, num_fewshot=None, limit=None, bootstrap_iters=100000,
               log_samples=False, evaluation_tracker=None, gen_kwargs=None, seed=1234):
-    """lm-eval's simple_evaluate of tasks (names) on lm; returns its results dict (the same on every rank)."""
+    """lm-eval's simple_evaluate of tasks (names) on lm; returns its results dict on the processes of local rank 0
+    (lm-eval's rule), None on the others, which compute the same requests with them."""
     from lm_eval import simple_evaluate
 
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(tasks, include_path),

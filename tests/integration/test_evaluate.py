@@ -50,8 +50,9 @@ def at_root():
 
 @pytest.fixture(scope="module")
 def trained(sample_data, tmp_path_factory):
-    """(run folder, finished process): 30 iterations, saved at 30, the harness hook every 10 iterations on
-    alice_cloze and a task whose data file is missing."""
+    """(run folder, finished process): PP 2 on 2 processes (the hook then runs through DeepSpeed's pipeline
+    module), 30 iterations, saved at 30 (ckpt/, PP 2) and written again as TP 1 x PP 1 (tp1/), the harness hook
+    every 10 iterations on alice_cloze and a task whose data file is missing."""
     out = tmp_path_factory.mktemp("evaluate")
     tasks = out / "tasks"
     shutil.copytree(ROOT / "examples" / "eval", tasks, ignore=shutil.ignore_patterns("data", "*.py"))
@@ -62,7 +63,13 @@ def trained(sample_data, tmp_path_factory):
         str(TOKENIZER / "merges.txt"), "--pad-vocab-size-to", "8000", "--deepspeed", "--data-path", sample_data,
         "--save", str(out / "ckpt"), "--save-interval", "30", "--tensorboard-dir", str(out / "tb"),
         "--eval-harness-tasks", "alice_cloze,alice_broken", "--eval-harness-interval", "10",
-        "--eval-harness-limit", str(LIMIT), "--eval-harness-include-path", str(tasks)], timeout=300)
+        "--eval-harness-limit", str(LIMIT), "--eval-harness-include-path", str(tasks),
+        "--pipeline-model-parallel-size", "2"], nproc=2, timeout=300)
+    from megatron.checkpoint.convert import CheckpointReader, write_megatron_checkpoint
+    reader = CheckpointReader(str(out / "ckpt"))
+    write_megatron_checkpoint(str(out / "tp1"), reader, reader.config, 1, 1, iteration=30,
+                              tokenizer_dir=reader.tokenizer_dir)
+    reader.close()
     return out, proc
 
 
@@ -99,7 +106,7 @@ def ours(trained, at_root):
     from megatron.evaluation.harness import run_tasks
     from megatron.evaluation.loading import build_lm
 
-    lm, _ = build_lm(str(trained[0] / "ckpt"), batch_size=8)
+    lm, _ = build_lm(str(trained[0] / "tp1"), batch_size=8)
     return lm, run_tasks(lm, TASKS, "examples/eval", limit=LIMIT, bootstrap_iters=0, log_samples=True)
 
 
@@ -110,7 +117,7 @@ def test_matches_lm_eval_hf_backend_on_the_merged_folder(trained, ours, tmp_path
     from megatron.checkpoint.hf import write_hf_folder
     from megatron.evaluation.harness import task_manager
 
-    reader = CheckpointReader(str(trained[0] / "ckpt"))
+    reader = CheckpointReader(str(trained[0] / "tp1"))
     folder = write_hf_folder(tmp_path / "hf", reader, reader.config, torch.float32, tokenizer_dir=reader.tokenizer_dir)
     reader.close()
     hf = lm_eval.simple_evaluate(
@@ -150,11 +157,14 @@ def _typed(task, response):
 def test_tp2_and_pp2_checkpoints_equal_tp1_per_request(trained, ours, tmp_path, tp, pp):
     from megatron.checkpoint.convert import CheckpointReader, write_megatron_checkpoint
 
-    reader = CheckpointReader(str(trained[0] / "ckpt"))
-    write_megatron_checkpoint(str(tmp_path / "ckpt"), reader, reader.config, tp, pp, iteration=30,
-                              tokenizer_dir=reader.tokenizer_dir)
-    reader.close()
-    stdout, responses = _torchrun(tmp_path / "ckpt", tmp_path / "out")
+    checkpoint = trained[0] / "ckpt"  # the training run's own PP 2 checkpoint
+    if tp == 2:
+        reader = CheckpointReader(str(trained[0] / "tp1"))
+        checkpoint = tmp_path / "ckpt"
+        write_megatron_checkpoint(str(checkpoint), reader, reader.config, tp, pp, iteration=30,
+                                  tokenizer_dir=reader.tokenizer_dir)
+        reader.close()
+    stdout, responses = _torchrun(checkpoint, tmp_path / "out")
     assert f"TP {tp} x PP {pp} x DP 1" in stdout and "alice_perplexity" in stdout
     assert_same_responses(responses, samples_of(ours[1]), atol=1e-5)
 
@@ -168,7 +178,7 @@ def test_local_completions_against_the_server_gives_our_metrics(trained, ours):
     log = open(trained[0] / "server.log", "w+")
     # lm-eval's API backend keeps one token for the completion: its max_length 34 scores inputs of 32 + 1 tokens
     server = subprocess.Popen([PYTHON, str(ROOT / "tools" / "run_text_generation_server.py"), "--load",
-                               str(trained[0] / "ckpt"), "--port", str(port), "--max-seq-len", str(CONTEXT + 2),
+                               str(trained[0] / "tp1"), "--port", str(port), "--max-seq-len", str(CONTEXT + 2),
                                "--max-batch-size", "8", "--log-level", "warning", "--served-model-name", "tiny"],
                               cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
