@@ -1,15 +1,17 @@
 """Token log-probabilities from a BLOOM model on any TP x PP layout: the primitive evaluation and the server share.
 
-    scorer = Scorer.for_bloom_model(model, vocab_limit=tokenizer.vocab_size)     # PP 1, any TP
-    scorer = Scorer.for_pipeline_module(engine.module, state, vocab_limit)      # training's DeepSpeed pipeline
-    scorer = Scorer(EvalStage(...), state, vocab_limit)                          # a stage built from a checkpoint
+    scorer = Scorer.for_bloom_model(model, vocab_limit=tokenizer.vocab_size)        # PP 1, any TP
+    scorer = Scorer.for_pipeline_module(engine.module, state, config, vocab_limit)  # training's DeepSpeed pipeline
+    scorer = Scorer.for_stage(EvalStage(...), state, vocab_limit)                   # a stage built from a checkpoint
     out = scorer.score([[5, 9, 13, 2]], [(1, [13, 2])], top_n=2)
-    out[0].logprobs, out[0].greedy, out[0].top_ids, out[0].top_logprobs     # per scored token
+    out[0].logprobs, out[0].greedy, out[0].top_ids, out[0].top_logprobs            # per scored token
+    scorer.score_continuations([(prefix, [answer_a, answer_b])])                    # a shared prefix runs once
 
-Row r's inputs run through the model once (rows right-padded: attention is causal, so padding never reaches a
-real position); the LM head runs only on the positions whose next token is scored: (start, targets) scores the
-logits at positions start .. start + len(targets) - 1 (position p predicts token p + 1) against targets. The head's logits of the TP ranks' vocabulary slices
-are gathered, the padding rows of the vocabulary (ids >= vocab_limit) are set to -inf, then log_softmax in fp32.
+score(): each row's inputs run through the model once (rows right-padded: attention is causal, so padding never
+reaches a real position); (start, targets) scores the logits at positions start .. start + len(targets) - 1
+(position p predicts token p + 1) against targets. The LM head runs only on those positions: the TP ranks' vocabulary
+slices of its logits are gathered, the padding rows of the vocabulary (ids >= vocab_limit) set to -inf, then
+log_softmax in fp32.
 
 Pipeline parallelism: stage k receives the (B, S, H) hidden states from stage k - 1 and sends its own to k + 1; the
 last stage scores and broadcasts the results over its pipeline group, so every rank returns the same values.
