@@ -71,6 +71,33 @@ class MegatronLM(TemplateLM):
         bos = tokenizer.special_tokens.get("bos_token")
         self._prefix = tokenizer.vocab.get(bos, tokenizer.eod) if bos else tokenizer.eod
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        """lm-eval's `--model megatron --model_args load=CKPT[,max_length=N,dtype=bf16,tokenizer=DIR]` (with this
+        module imported): the model of --load on this process (megatron.evaluation.loading.build_lm)."""
+        from lm_eval import utils
+
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        import os
+
+        from megatron.evaluation.loading import build_lm
+
+        args = dict(arg_dict)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "load" not in args:
+            raise ValueError("--model megatron needs --model_args load=CHECKPOINT_OR_HF_FOLDER")
+        batch_size = extra.get("batch_size", args.pop("batch_size", 16))
+        lm, _ = build_lm(args.pop("load"), int(os.environ.get("WORLD_SIZE", "1")),
+                         int(batch_size) if str(batch_size).isdigit() else 16, args.pop("tokenizer", None),
+                         args.pop("dtype", "auto"), args.pop("max_length", None), seed=int(args.pop("seed", 1234)))
+        if args:
+            raise ValueError(f"--model_args: unknown keys {sorted(args)} for the megatron model (known: load, "
+                             "tokenizer, dtype, max_length, batch_size, seed)")
+        return lm
+
     # ---- what TemplateLM needs ---------------------------------------------------------------------------------
 
     @property

@@ -103,10 +103,13 @@ def assert_same_metrics(ours, theirs, tasks, rtol):
 @pytest.fixture(scope="module")
 def ours(trained, at_root):
     """(MegatronLM, lm-eval results with samples) of the TP 1 checkpoint, in this process."""
-    from megatron.evaluation.harness import run_tasks
-    from megatron.evaluation.loading import build_lm
+    from lm_eval.api.registry import get_model
 
-    lm, _ = build_lm(str(trained[0] / "tp1"), batch_size=8)
+    from megatron.evaluation.harness import run_tasks
+
+    # through lm-eval's registry, as `--model megatron --model_args load=...` builds it
+    lm = get_model("megatron").create_from_arg_string(f"load={trained[0] / 'tp1'}", {"batch_size": 8})
+    assert lm.max_length == CONTEXT and lm.batch_size == 8
     return lm, run_tasks(lm, TASKS, "examples/eval", limit=LIMIT, bootstrap_iters=0, log_samples=True)
 
 
