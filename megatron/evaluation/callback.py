@@ -66,21 +66,28 @@ class EvalHarnessCallback(Callback):
 
     @contextlib.contextmanager
     def _eval_mode(self, trainer):
-        """The live module in eval mode, gathering its full-vocabulary logits for generation; ZeRO-3's partitioned
-        parameters gathered for the duration."""
+        """The live module in eval mode, gathering its full-vocabulary logits for generation, attention on SDPA;
+        ZeRO-3's partitioned parameters gathered for the duration. Everything is restored afterwards."""
         engine, module = trainer.engine, trainer.engine.module
         was_training, parallel_output = module.training, getattr(module, "parallel_output", None)
         gathered = contextlib.nullcontext()
         if self.config.training.zero_stage == 3:
             import deepspeed
             gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        from megatron.model.attention import CoreAttention
+        # SDPA for the evaluation's varying shapes: training's FlexAttention would compile once per shape
+        attentions = [(m, m.impl) for m in module.modules() if isinstance(m, CoreAttention)]
         engine.eval()
         if parallel_output is not None:
             module.parallel_output = False
+        for attention, impl in attentions:
+            attention.impl = "sdpa" if impl in ("auto", "flex") else impl
         try:
             with gathered:
                 yield
         finally:
+            for attention, impl in attentions:
+                attention.impl = impl
             if parallel_output is not None:
                 module.parallel_output = parallel_output
             if was_training:

@@ -47,3 +47,23 @@ def test_unknown_task_stops_before_training():
 def test_harness_line():
     line = format_harness_line(20, {"b/acc": 0.25, "a/perplexity": 123.456789}, 1.26)
     assert line == "eval harness at iteration 20 | a/perplexity: 123.457 | b/acc: 0.25 | seconds: 1.3 |"
+
+
+def _evaluate_tool():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("evaluate_tool", ROOT / "tools" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--load", "no/such/ckpt", "--tasks", "alice_cloze"], "error: --load no/such/ckpt: no such file or folder"),
+    (["--load", ".", "--tasks", " , "], "error: --tasks is empty; name at least one lm-eval task"),
+    (["--load", ".", "--tasks", "x", "--batch-size", "0"], "error: --batch-size 0 must be at least 1"),
+    (["--load", ".", "--tasks", "x", "--include-path", "no/dir"], "error: --include-path no/dir: no such folder"),
+])
+def test_evaluate_tool_names_the_bad_flag(flags, message, capsys):
+    assert _evaluate_tool().main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
