@@ -6,7 +6,8 @@
 The task is examples/eval/alice_choice (300 four-way multiple-choice questions = 1,200 loglikelihood requests; with
 --repeat-docs N each question appears N times, so N x 1,200 requests). One random BLOOM (seeded, so the same weights
 every run) is built as our BloomModel and copied into transformers' BloomForCausalLM, which lm-eval's HFLM wraps
-(its own loglikelihood code, logits cache and batching); both run in this process with the same --batch-size. Time is
+(its own loglikelihood code, logits cache and batching); both run in this process with the same --batch-size:
+contexts per forward (hf batches its context groups of one-token answers; ours a context with all its answers). Time is
 measured around each backend's loglikelihood call only (task building excluded; CUDA synchronised), after a warm-up
 run of --warmup-docs documents on each side.
 
@@ -40,7 +41,7 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--batch-size", type=int, default=64, help="requests per forward, both backends")
+    parser.add_argument("--batch-size", type=int, default=64, help="contexts per forward, both backends")
     parser.add_argument("--repeat-docs", type=int, default=1, help="each question this many times")
     parser.add_argument("--limit", type=int, default=None, help="questions (default: all 300)")
     parser.add_argument("--warmup-docs", type=int, default=16)

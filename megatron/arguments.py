@@ -169,7 +169,7 @@ def _eval_harness_flags(parser):
     g.add_argument("--eval-harness-limit", type=float, default=None,
                    help="documents per task (a fraction below 1.0; default: all)")
     g.add_argument("--eval-harness-include-path", default=None, help="a folder of extra lm-eval task YAML files")
-    g.add_argument("--eval-harness-batch-size", type=int, default=16, help="requests per forward pass")
+    g.add_argument("--eval-harness-batch-size", type=int, default=16, help="contexts per forward pass (each with its continuations)")
     g.add_argument("--eval-harness-num-fewshot", type=int, default=None)
 
 

@@ -26,7 +26,7 @@ def parse_args(argv=None):
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
     parser.add_argument("--include-path", default=None, help="a folder of extra lm-eval task YAML files")
     parser.add_argument("--num-fewshot", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=16, help="requests per forward pass")
+    parser.add_argument("--batch-size", type=int, default=16, help="contexts per forward pass (each with its continuations)")
     parser.add_argument("--limit", type=float, default=None,
                         help="at most this many documents per task (a fraction below 1.0)")
     parser.add_argument("--output-path", default=None, help="folder for lm-eval's results JSON")

@@ -5,8 +5,8 @@
 
 - loglikelihood: lm-eval's TemplateLM tokenizes (context, continuation) pairs, each truncated on the left to
   max_length + 1 tokens as lm-eval's hf backend does; requests sharing a context (a multiple-choice question's
-  answers) run its tokens once and their continuations against its KV cache, longest first, batch_size
-  continuations per batch; the LM head runs only on the continuation's positions (scoring.Scorer).
+  answers) run its tokens once and their continuations against its KV cache, longest first, batch_size contexts
+  per batch; the LM head runs only on the continuation's positions (scoring.Scorer).
 - loglikelihood_rolling: the text in disjoint windows of max_length tokens (lm-eval's get_rolling_token_windows,
   the first window after the prefix token), each window's tokens scored, summed per text.
 - generate_until: InferenceEngine (KV cache, continuous batching; greedy or sampled, seeded per request) when the
@@ -55,8 +55,8 @@ class MegatronLM(TemplateLM):
     """lm-eval's LM over a scoring.Scorer (any layout) and, for generation at PP 1, the BloomModel it wraps.
 
     tokenizer: the project's tokenizer (megatron.tokenizer); max_length: the longest input (the model's
-    context); batch_size: rows per forward; state: the ParallelState (data parallelism, TP token broadcast);
-    seed: sampled generations use seed + request index."""
+    context); batch_size: contexts per forward (each with its continuations; generation: cache slots); state:
+    the ParallelState (data parallelism, TP token broadcast); seed: sampled generations use seed + request index."""
 
     def __init__(self, scorer, tokenizer, max_length, batch_size=16, model=None, state=None, seed=1234,
                  steps_per_sync=8):
@@ -140,7 +140,7 @@ class MegatronLM(TemplateLM):
 
         Each (context, continuation) is truncated on the left to max_length + 1 tokens (the hf backend's rule);
         requests with the same (truncated) context form a group whose context runs once
-        (Scorer.score_continuations); groups run longest first, batch_size continuations per batch."""
+        (Scorer.score_continuations); groups run longest first, batch_size groups per batch."""
         groups = {}  # truncated context -> [request index, ...]
         conts = []
         for index, (key, context, continuation) in enumerate(requests):
@@ -155,15 +155,8 @@ class MegatronLM(TemplateLM):
             conts.append(list(continuation))
         ordered = sorted(groups.items(), key=lambda item: (-(len(item[0]) + max(len(conts[i]) for i in item[1])),
                                                            item[1][0]))
-        batches, current, rows = [], [], 0
-        for prefix, members in ordered:
-            if current and rows + len(members) > self.batch_size:
-                batches.append(current)
-                current, rows = [], 0
-            current.append((prefix, members))
-            rows += len(members)
-        if current:
-            batches.append(current)
+        # batch_size contexts per forward, as lm-eval's hf backend batches its context groups
+        batches = [ordered[a:a + self.batch_size] for a in range(0, len(ordered), self.batch_size)]
 
         def run(batch):
             scored = self.scorer.score_continuations([(list(p), [conts[i] for i in m]) for p, m in batch])
