@@ -2,8 +2,8 @@
 
 Every rank takes part (tensor- and pipeline-parallel ranks compute each batch together, data-parallel replicas
 split the batches; megatron/evaluation/harness.py); nothing is written to disk for it. Each task runs on its own,
-so a task that fails (its data, its template, a metric) logs one warning naming it and the error, and training
-goes on with the others. The metrics go to one log line
+so a task that fails on every rank alike (its data, its template, a metric) logs one warning naming it and the
+error, and training goes on with the others. ZeRO-3 (partitioned parameters) is refused before training starts. The metrics go to one log line
 
     eval harness at iteration 100 | alice_cloze/acc: 0.1250 | alice_cloze/perplexity: 512.3 | ... |
 
@@ -33,6 +33,10 @@ class EvalHarnessCallback(Callback):
         from megatron.evaluation.harness import task_manager
 
         self.config, self.harness, self.tokenizer = config, config.eval_harness, tokenizer
+        if config.training.zero_stage == 3:
+            raise ValueError("--eval-harness-tasks does not run under --zero-stage 3 (the parameters are partitioned "
+                             "across ranks); use --zero-stage 0, 1 or 2, or evaluate the saved checkpoints with "
+                             "tools/evaluate.py")
         if tokenizer is None:
             raise ValueError("--eval-harness-tasks needs a tokenizer (--vocab-file/--merge-file or "
                              "--tokenizer-name-or-path), not --mock-data alone")
@@ -66,16 +70,12 @@ class EvalHarnessCallback(Callback):
 
     @contextlib.contextmanager
     def _eval_mode(self, trainer):
-        """The live module in eval mode, gathering its full-vocabulary logits for generation, attention on SDPA;
-        ZeRO-3's partitioned parameters gathered for the duration. Everything is restored afterwards."""
+        """The live module in eval mode, gathering its full-vocabulary logits for generation, attention on SDPA
+        (training's FlexAttention would compile once per shape); everything is restored afterwards."""
+        from megatron.model.attention import CoreAttention
+
         engine, module = trainer.engine, trainer.engine.module
         was_training, parallel_output = module.training, getattr(module, "parallel_output", None)
-        gathered = contextlib.nullcontext()
-        if self.config.training.zero_stage == 3:
-            import deepspeed
-            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-        from megatron.model.attention import CoreAttention
-        # SDPA for the evaluation's varying shapes: training's FlexAttention would compile once per shape
         attentions = [(m, m.impl) for m in module.modules() if isinstance(m, CoreAttention)]
         engine.eval()
         if parallel_output is not None:
@@ -83,8 +83,7 @@ class EvalHarnessCallback(Callback):
         for attention, impl in attentions:
             attention.impl = "sdpa" if impl in ("auto", "flex") else impl
         try:
-            with gathered:
-                yield
+            yield
         finally:
             for attention, impl in attentions:
                 attention.impl = impl

@@ -67,3 +67,9 @@ def test_evaluate_tool_names_the_bad_flag(flags, message, capsys):
     assert _evaluate_tool().main(flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_zero3_is_refused_before_training():
+    config = config_of("--eval-harness-tasks", "alice_cloze", "--eval-harness-interval", "5", "--zero-stage", "3")
+    with pytest.raises(ValueError, match="--eval-harness-tasks does not run under --zero-stage 3"):
+        EvalHarnessCallback(config, None)
