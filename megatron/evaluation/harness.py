@@ -17,6 +17,7 @@
 Padding rows of the vocabulary (ids >= the tokenizer's size) never enter a softmax (scoring.Scorer).
 """
 import logging
+import os
 
 import lm_eval.models  # noqa: F401  lm-eval's own backends first: its registry imports them only while empty
 import torch
@@ -81,8 +82,6 @@ class MegatronLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
-        import os
-
         from megatron.evaluation.loading import build_lm
 
         args = dict(arg_dict)

@@ -73,6 +73,24 @@ class EvalStage(nn.Module):
         return self.embedding.word_embeddings.weight if self.last else None
 
 
+class _SharedPrefixCache:
+    """Layer caches over a prefix cache (InferenceCache of G prefixes): row r attends to the cached keys and values
+    of prefix rows[r], then to its own new ones. The prefix is gathered per layer as the layer runs, so one layer's
+    (R, nh/p, P, hd) copy is alive at a time, not every layer's."""
+
+    class _Layer:
+        def __init__(self, layer, rows):
+            self.layer, self.rows = layer, rows
+
+        def attend(self, q, k, v, core_attention, key_padding_mask=None):  # q, k, v: (R, nh/p, s_new, hd)
+            keys = torch.cat([self.layer.k.index_select(0, self.rows), k], dim=2)  # (R, nh/p, P + s_new, hd)
+            values = torch.cat([self.layer.v.index_select(0, self.rows), v], dim=2)
+            return core_attention(q, keys, values, key_padding_mask)
+
+    def __init__(self, cache, rows):
+        self.layers = [self._Layer(layer, rows) for layer in cache.layers]
+
+
 class Scorer:
     """Log-probabilities of target tokens (see the module docstring) on this rank's part of the model.
 
@@ -216,9 +234,7 @@ class Scorer:
             sids = torch.zeros(len(conts), suffix, dtype=torch.long)
             for r, (_, c) in enumerate(conts):
                 sids[r, :len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
-            expanded = InferenceCache(model.config.num_layers)
-            for mine, theirs in zip(expanded.layers, cache.layers):
-                mine.k, mine.v = theirs.k.index_select(0, rows), theirs.v.index_select(0, rows)
+            expanded = _SharedPrefixCache(cache, rows)
             keys = torch.cat([mask.index_select(0, rows), torch.ones(len(conts), suffix, dtype=torch.bool,
                                                                      device=device)], dim=1)
             hidden = model.hidden_states(sids.to(device), attention_mask=keys if padded else None, cache=expanded)
