@@ -8,6 +8,8 @@ Everything here is pure (no HTTP, no engine) so each rule is unit-tested on its 
     IncrementalText                         a row's growing ids -> text deltas that concatenate to the final text,
                                             cut at the first stop string
     completion_body / chunk_body / ...      the response objects
+    logprobs_body                           OpenAI's legacy logprobs (tokens, token_logprobs, top_logprobs,
+                                            text_offset) from a scoring.Scored
 
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
