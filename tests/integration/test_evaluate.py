@@ -115,6 +115,10 @@ def ours(trained, at_root):
 
 def test_matches_lm_eval_hf_backend_on_the_merged_folder(trained, ours, tmp_path):
     import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from megatron.inference import SamplingParams
 
     from megatron.checkpoint.convert import CheckpointReader
     from megatron.checkpoint.hf import write_hf_folder
@@ -123,14 +127,25 @@ def test_matches_lm_eval_hf_backend_on_the_merged_folder(trained, ours, tmp_path
     reader = CheckpointReader(str(trained[0] / "tp1"))
     folder = write_hf_folder(tmp_path / "hf", reader, reader.config, torch.float32, tokenizer_dir=reader.tokenizer_dir)
     reader.close()
-    hf = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={folder},dtype=float32,device=cpu,max_length={CONTEXT}", tasks=TASKS,
-        task_manager=task_manager(TASKS, "examples/eval"), limit=LIMIT, bootstrap_iters=0, batch_size=8)
+    hf_lm = HFLM(pretrained=str(folder), dtype="float32", device="cpu", max_length=CONTEXT, batch_size=8)
+    hf = lm_eval.simple_evaluate(model=hf_lm, tasks=TASKS, task_manager=task_manager(TASKS, "examples/eval"),
+                                 limit=LIMIT, bootstrap_iters=0)
     results = ours[1]
     assert_same_responses(samples_of(results), samples_of(hf), atol=1e-4)
     assert_same_metrics(results, hf, TASKS, rtol=1e-5)
-    greedy = [r[0][1] for r in samples_of(results)["alice_choice"]]
-    assert results["results"]["alice_perplexity"]["word_perplexity,none"] > 1 and len(greedy) == LIMIT
+    assert results["results"]["alice_perplexity"]["word_perplexity,none"] > 1
+
+    # is_greedy both ways: continuations the model itself chooses greedily, and ones it does not
+    lm = ours[0]
+    requests = []
+    for context in ("Alice was beginning to get very tired", "The Queen said to the", "`Curiouser and"):
+        greedy = lm.engine().generate([lm.tok_encode(context)], SamplingParams(greedy=True, max_new_tokens=3))[0]
+        for continuation in (lm.tok_decode(greedy[:1]), lm.tok_decode(greedy), " Wonderland"):
+            requests.append(Instance("loglikelihood", {}, (context, continuation), len(requests)))
+    mine, theirs = lm.loglikelihood(requests), hf_lm.loglikelihood(requests)
+    assert [g for _, g in mine] == [g for _, g in theirs]
+    assert any(g for _, g in mine) and not all(g for _, g in mine)
+    torch.testing.assert_close([x for x, _ in mine], [x for x, _ in theirs], rtol=0, atol=1e-4)
 
 
 def _torchrun(checkpoint, output):
