@@ -4,18 +4,21 @@
     python benchmarks/eval_speed.py                                           # a small fp32 model on the CPU
 
 The task is examples/eval/alice_choice (300 four-way multiple-choice questions = 1,200 loglikelihood requests; with
---repeat-docs N each question appears N times, so N x 1,200 requests). One random BLOOM (seeded, so the same weights
-every run) is built as our BloomModel and copied into transformers' BloomForCausalLM, which lm-eval's HFLM wraps
-(its own loglikelihood code, logits cache and batching); both run in this process with the same --batch-size:
-contexts per forward (hf batches its context groups of one-token answers; ours a context with all its answers). Time is
-measured around each backend's loglikelihood call only (task building excluded; CUDA synchronised), after a warm-up
-run of --warmup-docs documents on each side.
+--repeat-docs N each question appears N times). One random BLOOM (seeded: the same weights every run) is built as our
+BloomModel and copied into transformers' BloomForCausalLM, which lm-eval's HFLM wraps (its own loglikelihood code,
+logits cache and batching); both run in this process with the same --batch-size (contexts per forward: hf batches
+its context groups of one-token answers, ours a context with all its answers). Each backend runs the task twice:
+the first run (warm-up: kernels, allocator, the shapes' first calls) and the measured run are both reported; time is
+taken around each backend's loglikelihood call only (task building excluded, CUDA synchronised). For ours the
+measured run is split into tokenization, the model (Scorer.score_continuations) and the rest; for hf into its
+model calls and the rest (its per-request loop).
 
-Agreement: the chosen answer (the argmax of the four log-likelihoods, lm-eval's acc) per question, ours against
-hf, and the largest log-likelihood difference. The hf backend's softmax runs over the model's whole padded vocabulary
+Agreement: the chosen answer (the argmax of the four log-likelihoods, lm-eval's acc) per question, ours against hf,
+and the largest log-likelihood difference. The hf backend's softmax runs over the model's whole padded vocabulary
 (250880 rows; the shipped tokenizer has 8000 tokens), ours by default over the tokenizer's tokens only (padding rows
 never enter a softmax), so the comparison of the same function is "ours, full vocabulary" (vocab_limit = the padded
-size); "ours" (the default, padding masked) is timed and compared too.
+size); "ours" (the default, padding masked) is timed and compared too. On CUDA the agreement is also measured in
+fp32 (--agreement-dtype), where bf16 near-ties of a random model cannot explain a difference.
 """
 import argparse
 import json
@@ -41,16 +44,18 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--batch-size", type=int, default=64, help="contexts per forward, both backends")
+    parser.add_argument("--batch-size", type=int, default=128, help="contexts per forward, both backends")
     parser.add_argument("--repeat-docs", type=int, default=1, help="each question this many times")
     parser.add_argument("--limit", type=int, default=None, help="questions (default: all 300)")
-    parser.add_argument("--warmup-docs", type=int, default=16)
+    parser.add_argument("--agreement-dtype", choices=["none", "fp32"], default=None,
+                        help="also compare ours and hf in this dtype after the timed runs (default: fp32 on cuda)")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     for key, value in (DOCUMENT_MODEL if args.device == "cuda" else SMALL_MODEL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.agreement_dtype = args.agreement_dtype or ("fp32" if args.device == "cuda" else "none")
     return args
 
 
@@ -76,23 +81,27 @@ def build_models(args, device, dtype):
 
 
 class Timed:
-    """Wraps an LM's loglikelihood: seconds and requests summed over its calls."""
+    """Wraps obj.name: seconds and calls summed (CUDA synchronised before and after each call)."""
 
-    def __init__(self, lm, device):
-        self.lm, self.device, self.seconds, self.requests = lm, device, 0.0, 0
-        inner = lm.loglikelihood
+    def __init__(self, obj, name, device):
+        self.seconds, self.calls, self.items = 0.0, 0, 0
+        inner = getattr(obj, name)
 
-        def loglikelihood(requests, *a, **k):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        def timed(*a, **k):
+            sync(device)
             start = time.perf_counter()
-            out = inner(requests, *a, **k)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            out = inner(*a, **k)
+            sync(device)
             self.seconds += time.perf_counter() - start
-            self.requests += len(requests)
+            self.calls += 1
+            self.items += len(a[0]) if a and hasattr(a[0], "__len__") else 0
             return out
-        lm.loglikelihood = loglikelihood
+        setattr(obj, name, timed)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def task_dict(args, limit):
@@ -123,21 +132,41 @@ def evaluate(lm, config, limit):
     return results["results"]["alice_choice"], lls
 
 
-def main(argv=None):
+def make_sides(ours, hf, tokenizer, tokenizer_dir, vocab, batch_size, labels):
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
     from megatron.evaluation.harness import MegatronLM
     from megatron.inference.scoring import Scorer
+
+    def megatron_lm(vocab_limit):
+        return MegatronLM(Scorer.for_bloom_model(ours, vocab_limit=vocab_limit), tokenizer, 2048, batch_size,
+                          model=ours)
+
+    makers = {"ours, full vocabulary": lambda: megatron_lm(vocab),
+              "hf": lambda: HFLM(pretrained=hf, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+                                 batch_size=batch_size, max_length=2048),
+              "ours": lambda: megatron_lm(tokenizer.vocab_size)}
+    return {label: makers[label]() for label in labels}
+
+
+def agreement(lls, reference):
+    same = sum(max(range(len(a)), key=a.__getitem__) == max(range(len(b)), key=b.__getitem__)
+               for a, b in zip(lls, reference))
+    diff = max(abs(x - y) for a, b in zip(lls, reference) for x, y in zip(a, b))
+    return same, diff
+
+
+def main(argv=None):
     from megatron.tokenizer import build_tokenizer
 
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here; run it on a GPU machine")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     start = time.perf_counter()
-    ours, hf = build_models(args, device, dtype)
+    ours, hf = build_models(args, device, dtypes[args.dtype])
     tokenizer_dir = os.path.join(ROOT, "examples", "tokenizer")
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
     config, _ = task_dict(args, None)
@@ -148,49 +177,65 @@ def main(argv=None):
           f"{torch.__version__}; alice_choice: {n_docs} questions x 4 choices, batch size {args.batch_size} "
           f"(built in {time.perf_counter() - start:.1f} s)", flush=True)
 
-    def megatron_lm(vocab_limit):
-        scorer = Scorer.for_bloom_model(ours, vocab_limit=vocab_limit)
-        return MegatronLM(scorer, tokenizer, 2048, args.batch_size, model=ours)
-
-    sides = {
-        "ours, full vocabulary": megatron_lm(args.vocab),
-        "hf": HFLM(pretrained=hf, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), batch_size=args.batch_size,
-                   max_length=2048),
-        "ours": megatron_lm(tokenizer.vocab_size),
-    }
+    sides = make_sides(ours, hf, tokenizer, tokenizer_dir, args.vocab, args.batch_size,
+                       ["ours, full vocabulary", "hf", "ours"])
     figures = {}
     for label, lm in sides.items():
-        evaluate(lm, config, args.warmup_docs)  # warm-up: kernels, allocator
-        timer = Timed(lm, device)
+        first = Timed(lm, "loglikelihood", device)
+        evaluate(lm, config, args.limit)  # the first run: warm-up, reported
+        timer = Timed(lm, "loglikelihood", device)  # wraps the first timer's wrapper: the measured run
+        if label.startswith("ours"):
+            parts = {"model": Timed(lm.scorer, "score_continuations", device),
+                     "after tokenization": Timed(lm, "_loglikelihood_tokens", device)}
+        else:
+            parts = {"model": Timed(lm, "_model_call", device)}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         metrics, lls = evaluate(lm, config, args.limit)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
-        figures[label] = {"requests": timer.requests, "seconds": timer.seconds,
-                          "requests_per_s": timer.requests / timer.seconds, "acc": metrics["acc,none"],
-                          "acc_norm": metrics["acc_norm,none"], "peak_gib": peak, "lls": lls}
-        print(f"{label:>22}: {timer.requests} requests in {timer.seconds:.2f} s = "
-              f"{timer.requests / timer.seconds:,.1f} requests/s, acc {metrics['acc,none']:.4f}, "
-              f"acc_norm {metrics['acc_norm,none']:.4f}, peak {peak:.1f} GiB", flush=True)
+        split = {key: part.seconds for key, part in parts.items()}
+        split["model calls"] = parts["model"].calls
+        figures[label] = {"requests": timer.items, "seconds": timer.seconds,
+                          "requests_per_s": timer.items / timer.seconds,
+                          "first_run_seconds": first.seconds - timer.seconds,
+                          "acc": metrics["acc,none"], "acc_norm": metrics["acc_norm,none"], "peak_gib": peak,
+                          "split": split, "lls": lls}
+        detail = ", ".join(f"{k} {v:.3f} s" if isinstance(v, float) else f"{k} {v}" for k, v in split.items())
+        print(f"{label:>22}: {timer.items} requests in {timer.seconds:.3f} s = "
+              f"{timer.items / timer.seconds:,.1f} requests/s (first run {first.seconds - timer.seconds:.2f} s); "
+              f"{detail}; acc {metrics['acc,none']:.4f}, peak {peak:.1f} GiB", flush=True)
 
     hf_lls = figures["hf"]["lls"]
     print(f"\n{'backend':>22} {'requests/s':>11} {'vs hf':>7} {'same choice as hf':>18} {'max |d ll|':>11}")
     rows = []
     for label, fig in figures.items():
         lls = fig.pop("lls")
-        same = sum(max(range(4), key=a.__getitem__) == max(range(4), key=b.__getitem__)
-                   for a, b in zip(lls, hf_lls))
-        diff = max(abs(x - y) for a, b in zip(lls, hf_lls) for x, y in zip(a, b))
+        same, diff = agreement(lls, hf_lls)
         fig.update(label=label, speedup_vs_hf=fig["requests_per_s"] / figures["hf"]["requests_per_s"],
                    same_choice_as_hf=same, questions=len(lls), max_abs_ll_diff=diff)
         rows.append(fig)
         print(f"{label:>22} {fig['requests_per_s']:>11,.1f} {fig['speedup_vs_hf']:>6.2f}x "
               f"{same:>11}/{len(lls):<6} {diff:>11.4f}")
+
+    check = None
+    if args.agreement_dtype != "none":  # the same comparison in fp32: numerics, not bf16 near-ties
+        del sides, ours, hf
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        ours, hf = build_models(args, device, dtypes[args.agreement_dtype])
+        sides = make_sides(ours, hf, tokenizer, tokenizer_dir, args.vocab, args.batch_size,
+                           ["ours, full vocabulary", "hf"])
+        lls = {label: evaluate(lm, config, args.limit)[1] for label, lm in sides.items()}
+        same, diff = agreement(lls["ours, full vocabulary"], lls["hf"])
+        check = {"dtype": args.agreement_dtype, "same_choice_as_hf": same, "questions": len(lls["hf"]),
+                 "max_abs_ll_diff": diff}
+        print(f"{args.agreement_dtype}: ours (full vocabulary) chooses as hf on {same}/{len(lls['hf'])} questions, "
+              f"max |d ll| {diff:.2e}")
     print(f"total {time.perf_counter() - start:.1f} s")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                       "args": vars(args), "rows": rows}, f, indent=2)
+                       "args": vars(args), "rows": rows, "agreement_check": check}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,31 @@ class MegatronLM(TemplateLM):
     def tok_decode(self, tokens):
         return self.tokenizer.detokenize(tokens)
 
+    def loglikelihood(self, requests, disable_tqdm=False):
+        """TemplateLM.loglikelihood's tokenization (an empty context becomes the prefix token; a context's trailing
+        spaces move to the continuation; the continuation is what encoding context + continuation adds to the
+        context's ids), done in two batched tokenizer calls with each distinct context encoded once."""
+        pairs = [req.args for req in requests]
+        empty = [i for i, (context, _) in enumerate(pairs) if context == ""]
+        split = {}
+        for i, (context, continuation) in enumerate(pairs):
+            if context:
+                n_spaces = len(context) - len(context.rstrip())
+                if n_spaces:
+                    context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+                split[i] = (context, context + continuation)
+        contexts = sorted({c for c, _ in split.values()})
+        context_ids = dict(zip(contexts, self.tokenizer.tokenize_batch(contexts)))
+        wholes = self.tokenizer.tokenize_batch([w for _, w in split.values()]) if split else []
+        encoded = [None] * len(pairs)
+        for (i, (context, _)), whole in zip(split.items(), wholes):
+            ctx = context_ids[context]
+            encoded[i] = (pairs[i], ctx, whole[len(ctx):])
+        for i, cont in zip(empty, self.tokenizer.tokenize_batch([pairs[i][1] for i in empty]) if empty else []):
+            ctx, cont = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
+            encoded[i] = (pairs[i], ctx, cont)
+        return self._loglikelihood_tokens(encoded, disable_tqdm=disable_tqdm)
+
     # ---- data parallelism --------------------------------------------------------------------------------------
 
     def _dp_map(self, batches, fn):

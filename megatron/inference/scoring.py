@@ -27,6 +27,22 @@ from megatron.core import tensor_parallel
 from megatron.core.parallel_state import ParallelState
 
 HEAD_CHUNK = 2048  # positions per LM-head pass: bounds the (N, V) fp32 logits alive at once
+PREFIX_BUCKET = 16  # prefix widths are padded to a multiple of this: few distinct shapes, each warmed up once
+SUFFIX_BUCKET = 4
+
+
+def _bucket(n, size):
+    return -(-n // size) * size
+
+
+def attention_kernels(device):
+    """SDPA without its cuDNN backend on CUDA: cuDNN builds an execution plan for every new shape (evaluation's
+    shapes vary per batch), the memory-efficient kernel takes the ALiBi bias as it is."""
+    import contextlib
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @dataclasses.dataclass
@@ -213,10 +229,14 @@ class Scorer:
             spans = [(len(p) - 1, list(c)) for p, conts in groups for c in conts]
             flat = iter(self.score(rows, spans, top_n))
             return [[next(flat) for _ in conts] for _, conts in groups]
+        with attention_kernels(self.device):
+            return self._score_shared(groups, top_n)
+
+    def _score_shared(self, groups, top_n):
         from megatron.model.bloom import InferenceCache
 
         model, device = self.model, self.device
-        width = max(len(p) for p, _ in groups)
+        width = _bucket(max(len(p) for p, _ in groups), PREFIX_BUCKET)
         ids = torch.zeros(len(groups), width, dtype=torch.long)
         mask = torch.zeros(len(groups), width, dtype=torch.bool)
         for g, (prefix, _) in enumerate(groups):
@@ -228,6 +248,7 @@ class Scorer:
         last = model.hidden_states(ids, attention_mask=mask if padded else None, cache=cache)[:, -1]  # (G, H)
         conts = [(g, list(c)) for g, (_, cs) in enumerate(groups) for c in cs]
         suffix = max(len(c) for _, c in conts) - 1
+        suffix = _bucket(suffix, SUFFIX_BUCKET) if suffix > 0 else 0
         parts = [last[torch.tensor([g for g, _ in conts], device=device)]]  # each row's first prediction
         if suffix > 0:
             rows = torch.tensor([g for g, _ in conts], device=device)
@@ -269,7 +290,8 @@ class Scorer:
             row_index += [i] * len(tgt)
             positions += range(start, start + len(tgt))
             targets += list(tgt)
-        hidden = self._hidden(ids.to(self.device))
+        with attention_kernels(self.device):
+            hidden = self._hidden(ids.to(self.device))
         if self.last and targets:
             sel = hidden[torch.tensor(row_index, device=self.device), torch.tensor(positions, device=self.device)]
             packed = self._pack(sel, targets, top_n)
@@ -287,7 +309,8 @@ class Scorer:
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        hidden = self._hidden(ids.to(self.device))
+        with attention_kernels(self.device):
+            hidden = self._hidden(ids.to(self.device))
         vocab = self.vocab_limit
         out = None
         if self.last:
