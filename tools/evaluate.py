@@ -26,7 +26,10 @@ def parse_args(argv=None):
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
     parser.add_argument("--include-path", default=None, help="a folder of extra lm-eval task YAML files")
     parser.add_argument("--num-fewshot", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=16, help="contexts per forward pass (each with its continuations)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="contexts per forward pass (each with its continuations)")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192,
+                        help="padded positions per forward pass (long requests run in smaller batches)")
     parser.add_argument("--limit", type=float, default=None,
                         help="at most this many documents per task (a fraction below 1.0)")
     parser.add_argument("--output-path", default=None, help="folder for lm-eval's results JSON")
@@ -51,6 +54,7 @@ def check_args(args):
     if not tasks:
         raise ValueError("--tasks is empty; name at least one lm-eval task, e.g. --tasks lambada_openai")
     for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length),
+                        ("--max-batch-tokens", args.max_batch_tokens),
                         ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
                         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
         if value is not None and value < 1:
@@ -80,7 +84,7 @@ def main(argv=None):
         from megatron.evaluation.loading import build_lm
         lm, state = build_lm(args.load, world, args.batch_size, args.tokenizer_name_or_path, args.dtype,
                              args.max_length, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                             args.seed)
+                             args.seed, args.max_batch_tokens)
     except (ValueError, RuntimeError) as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)

@@ -3,7 +3,8 @@
 Every rank takes part (tensor- and pipeline-parallel ranks compute each batch together, data-parallel replicas
 split the batches; megatron/evaluation/harness.py); nothing is written to disk for it. Each task runs on its own,
 so a task that fails on every rank alike (its data, its template, a metric) logs one warning naming it and the
-error, and training goes on with the others. ZeRO-3 (partitioned parameters) is refused before training starts. The metrics go to one log line
+error, and training goes on with the others. ZeRO-3 (partitioned parameters) is refused before training starts.
+The metrics go to one log line
 
     eval harness at iteration 100 | alice_cloze/acc: 0.1250 | alice_cloze/perplexity: 512.3 | ... |
 

@@ -5,8 +5,9 @@
 
 - loglikelihood: lm-eval's TemplateLM tokenizes (context, continuation) pairs, each truncated on the left to
   max_length + 1 tokens as lm-eval's hf backend does; requests sharing a context (a multiple-choice question's
-  answers) run its tokens once and their continuations against its KV cache, longest first, batch_size contexts
-  per batch; the LM head runs only on the continuation's positions (scoring.Scorer).
+  answers) run its tokens once and their continuations against its KV cache, longest first, up to batch_size
+  contexts and max_batch_tokens padded positions per batch; the LM head runs only on the continuation's positions
+  (scoring.Scorer).
 - loglikelihood_rolling: the text in disjoint windows of max_length tokens (lm-eval's get_rolling_token_windows,
   the first window after the prefix token), each window's tokens scored, summed per text.
 - generate_until: InferenceEngine (KV cache, continuous batching; greedy or sampled, seeded per request) when the
@@ -44,6 +45,10 @@ def _stop_strings(until, eos_text):
     return until
 
 
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
 def cut_at_stops(text, stops):
     """text up to the first occurrence of any stop string (lm-eval's convention)."""
     for stop in stops:
@@ -56,11 +61,12 @@ class MegatronLM(TemplateLM):
     """lm-eval's LM over a scoring.Scorer (any layout) and, for generation at PP 1, the BloomModel it wraps.
 
     tokenizer: the project's tokenizer (megatron.tokenizer); max_length: the longest input (the model's
-    context); batch_size: contexts per forward (each with its continuations; generation: cache slots); state:
-    the ParallelState (data parallelism, TP token broadcast); seed: sampled generations use seed + request index."""
+    context); batch_size: contexts per forward (each with its continuations; generation: cache slots);
+    max_batch_tokens: padded positions per forward (a single longer request still runs alone); state: the
+    ParallelState (data parallelism, TP token broadcast); seed: sampled generations use seed + request index."""
 
     def __init__(self, scorer, tokenizer, max_length, batch_size=16, model=None, state=None, seed=1234,
-                 steps_per_sync=8):
+                 steps_per_sync=8, max_batch_tokens=8192):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--batch-size {batch_size} must be at least 1")
@@ -68,6 +74,7 @@ class MegatronLM(TemplateLM):
         self.max_length, self.batch_size, self.seed = int(max_length), int(batch_size), seed
         self.state = state or scorer.state
         self.steps_per_sync = steps_per_sync
+        self.max_batch_tokens = max_batch_tokens
         self._engine = None
         bos = tokenizer.special_tokens.get("bos_token")
         self._prefix = tokenizer.vocab.get(bos, tokenizer.eod) if bos else tokenizer.eod
@@ -179,8 +186,7 @@ class MegatronLM(TemplateLM):
             conts.append(list(continuation))
         ordered = sorted(groups.items(), key=lambda item: (-(len(item[0]) + max(len(conts[i]) for i in item[1])),
                                                            item[1][0]))
-        # batch_size contexts per forward, as lm-eval's hf backend batches its context groups
-        batches = [ordered[a:a + self.batch_size] for a in range(0, len(ordered), self.batch_size)]
+        batches = self._batches(ordered, conts)
 
         def run(batch):
             scored = self.scorer.score_continuations([(list(p), [conts[i] for i in m]) for p, m in batch])
@@ -194,6 +200,26 @@ class MegatronLM(TemplateLM):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return results
+
+    def _batches(self, ordered, conts):
+        """Consecutive groups, longest first: at most batch_size contexts per forward (as lm-eval's hf backend
+        batches its context groups) and at most max_batch_tokens padded positions (the contexts padded to the
+        longest, plus every continuation padded to the longest), so short requests share large batches and long
+        ones do not pad many short ones."""
+        batches, current, width, suffix, rows = [], [], 0, 0, 0
+        for prefix, members in ordered:
+            w = max(width, _round_up(len(prefix), 16))
+            s = max([suffix] + [len(conts[i]) - 1 for i in members])
+            cost = (len(current) + 1) * w + (rows + len(members)) * s
+            if current and (len(current) == self.batch_size or cost > self.max_batch_tokens):
+                batches.append(current)
+                current, w, rows = [], _round_up(len(prefix), 16), 0
+                s = max(len(conts[i]) - 1 for i in members)
+            current.append((prefix, members))
+            width, suffix, rows = w, s, rows + len(members)
+        if current:
+            batches.append(current)
+        return batches
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
         windows, owner = [], []

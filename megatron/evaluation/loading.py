@@ -94,7 +94,7 @@ def setup_parallel(tp, pp):
 
 
 def build_lm(load, world_size=1, batch_size=16, tokenizer_dir=None, dtype_flag="auto", max_length=None, tp=None,
-             pp=None, seed=1234):
+             pp=None, seed=1234, max_batch_tokens=8192):
     """(MegatronLM, ParallelState) of --load on this rank (tools/evaluate.py's flags, as values)."""
     from megatron.checkpoint.convert import DTYPES
     from megatron.evaluation.harness import MegatronLM
@@ -111,5 +111,5 @@ def build_lm(load, world_size=1, batch_size=16, tokenizer_dir=None, dtype_flag="
         reader.close()
     scorer.vocab_limit = tokenizer.vocab_size
     lm = MegatronLM(scorer, tokenizer, max_length or reader.config.seq_length, batch_size,
-                    model=module if pp == 1 else None, state=state, seed=seed)
+                    model=module if pp == 1 else None, state=state, seed=seed, max_batch_tokens=max_batch_tokens)
     return lm, state
