@@ -250,19 +250,19 @@ class Scorer:
         suffix = max(len(c) for _, c in conts) - 1
         suffix = _bucket(suffix, SUFFIX_BUCKET) if suffix > 0 else 0
         parts = [last[torch.tensor([g for g, _ in conts], device=device)]]  # each row's first prediction
-        if suffix > 0:
-            rows = torch.tensor([g for g, _ in conts], device=device)
-            sids = torch.zeros(len(conts), suffix, dtype=torch.long)
-            for r, (_, c) in enumerate(conts):
+        if suffix > 0:  # only the continuations of two or more tokens have a suffix to run
+            longer = [(g, c) for g, c in conts if len(c) > 1]
+            rows = torch.tensor([g for g, _ in longer], device=device)
+            sids = torch.zeros(len(longer), suffix, dtype=torch.long)
+            for r, (_, c) in enumerate(longer):
                 sids[r, :len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
             expanded = _SharedPrefixCache(cache, rows)
-            keys = torch.cat([mask.index_select(0, rows), torch.ones(len(conts), suffix, dtype=torch.bool,
+            keys = torch.cat([mask.index_select(0, rows), torch.ones(len(longer), suffix, dtype=torch.bool,
                                                                      device=device)], dim=1)
             hidden = model.hidden_states(sids.to(device), attention_mask=keys if padded else None, cache=expanded)
-            row_index = [r for r, (_, c) in enumerate(conts) for _ in range(len(c) - 1)]
-            col_index = [i for _, c in conts for i in range(len(c) - 1)]
-            if row_index:
-                parts.append(hidden[torch.tensor(row_index, device=device), torch.tensor(col_index, device=device)])
+            row_index = [r for r, (_, c) in enumerate(longer) for _ in range(len(c) - 1)]
+            col_index = [i for _, c in longer for i in range(len(c) - 1)]
+            parts.append(hidden[torch.tensor(row_index, device=device), torch.tensor(col_index, device=device)])
         # order the scored positions row by row: first prediction, then the suffix's
         order, k_first, k_rest = [], 0, len(conts)
         for _, c in conts:
