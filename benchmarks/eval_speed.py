@@ -220,6 +220,8 @@ def main(argv=None):
     check = None
     if args.agreement_dtype != "none":  # the same comparison in fp32: numerics, not bf16 near-ties
         del sides, ours, hf
+        import gc
+        gc.collect()  # the timers' closures hold the backends in reference cycles
         if device.type == "cuda":
             torch.cuda.empty_cache()
         ours, hf = build_models(args, device, dtypes[args.agreement_dtype])
