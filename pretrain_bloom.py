@@ -20,6 +20,9 @@ def main(argv=None, callbacks=()):
     try:
         config, ds_config, tokenizer = load_and_resolve(argv)
         check_before_start(config, tokenizer)  # data vs vocabulary, flags vs the checkpoint's shape, fp16 on CPU
+        if config.eval_harness.enabled:  # lm-eval tasks on the live model; unknown task names stop here
+            from megatron.evaluation.callback import EvalHarnessCallback
+            callbacks = tuple(callbacks) + (EvalHarnessCallback(config, tokenizer),)
         if config.checkpoint.save:  # writable, with room for one more checkpoint
             check_save_dir(config.checkpoint.save, checkpoint_bytes(
                 config.model.num_parameters(), config.precision.name, config.checkpoint.no_save_optim))

@@ -16,9 +16,9 @@ import json
 import logging
 import os
 
-from megatron.config import (ATTENTION_IMPLS, TIMING_LOG_OPTIONS, CheckpointConfig, Config, DataConfig, LoggingConfig,
-                             ModelConfig, MonitoringConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                             TrainingConfig, UpstreamConfig, pad_vocab_size)
+from megatron.config import (ATTENTION_IMPLS, TIMING_LOG_OPTIONS, CheckpointConfig, Config, DataConfig,
+                             EvalHarnessConfig, LoggingConfig, ModelConfig, MonitoringConfig, OptimizerConfig,
+                             ParallelConfig, PrecisionConfig, TrainingConfig, UpstreamConfig, pad_vocab_size)
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 _REQUIRED_HELP = "required (here or in the DeepSpeed JSON)"
@@ -226,6 +226,24 @@ def _monitoring_flags(parser):
                    "--save); WANDB_MODE=offline keeps the run there")
 
 
+def _eval_harness_flags(parser):
+    g = parser.add_argument_group("lm-evaluation-harness during training")
+    g.add_argument("--eval-harness-tasks", default=None,
+                   help="comma-separated lm-eval tasks run on the live model every --eval-harness-interval")
+    g.add_argument("--eval-harness-interval", type=int, default=None, help="iterations between harness runs")
+    g.add_argument("--eval-harness-limit", type=float, default=None,
+                   help="documents per task (a fraction below 1.0; default: all)")
+    g.add_argument("--eval-harness-include-path", default=None, help="a folder of extra lm-eval task YAML files")
+    g.add_argument("--eval-harness-batch-size", type=int, default=16,
+                   help="contexts per forward pass (each with its continuations)")
+    g.add_argument("--eval-harness-num-fewshot", type=int, default=None)
+
+
+def _eval_harness_section(values):
+    tasks = tuple(t.strip() for t in (values["eval_harness_tasks"] or "").split(",") if t.strip())
+    return _section(EvalHarnessConfig, values, eval_harness_tasks=tasks)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per job, in one line ending in `see --help` (no usage
     block), and prints --help once: launchers start one copy of the script per GPU."""
@@ -243,7 +261,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser():
     parser = ArgumentParser(description="Pretrain a BLOOM-architecture model with DeepSpeed", allow_abbrev=False)
     for add in (_model_flags, _parallel_flags, _training_flags, _deepspeed_flags, _data_flags,
-                _logging_checkpoint_flags, _add_upstream_compat_args, _monitoring_flags):
+                _logging_checkpoint_flags, _add_upstream_compat_args, _monitoring_flags,
+                _eval_harness_flags):
         add(parser)
     return parser
 
@@ -382,7 +401,8 @@ def resolve(args, world_size, ds_json=None, saved_meta=None, tokenizer_vocab_siz
                             # upstream's --log-timers-to-tensorboard alone (BLOOM's tr11) asks for the timers
                             timing_log_level=values["timing_log_level"] or int(values["log_timers_to_tensorboard"]),
                             profile_dir=values["profile_dir"] or values["tensorboard_dir"],
-                            wandb_save_dir=values["wandb_save_dir"] or metrics_dir))
+                            wandb_save_dir=values["wandb_save_dir"] or metrics_dir),
+        eval_harness=_eval_harness_section(values))
     return config, build_deepspeed_config(config, user)
 
 

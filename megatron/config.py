@@ -397,6 +397,40 @@ class UpstreamConfig:
 # ---------------------------------------------------------------- end of upstream compatibility
 
 
+# ---- lm-evaluation-harness during training (megatron/evaluation/callback.py) -----------------------------------
+
+@dataclass(frozen=True)
+class EvalHarnessConfig:
+    """--eval-harness-*: lm-eval tasks run on the live model every eval_harness_interval iterations."""
+    eval_harness_tasks: tuple = ()
+    eval_harness_interval: Optional[int] = None
+    eval_harness_limit: Optional[float] = None
+    eval_harness_include_path: Optional[str] = None
+    eval_harness_batch_size: int = 16
+    eval_harness_num_fewshot: Optional[int] = None
+
+    def __post_init__(self):
+        if self.eval_harness_interval is not None and self.eval_harness_interval < 1:
+            raise ValueError(f"--eval-harness-interval {self.eval_harness_interval} must be at least 1")
+        if self.eval_harness_tasks and not self.eval_harness_interval:
+            raise ValueError("--eval-harness-tasks needs --eval-harness-interval N (iterations between runs)")
+        if self.eval_harness_interval and not self.eval_harness_tasks:
+            raise ValueError("--eval-harness-interval is set but --eval-harness-tasks names no task; add "
+                             "--eval-harness-tasks TASK[,TASK...] or drop the interval")
+        if self.eval_harness_limit is not None and self.eval_harness_limit <= 0:
+            raise ValueError(f"--eval-harness-limit {self.eval_harness_limit} must be positive")
+        if self.eval_harness_batch_size < 1:
+            raise ValueError(f"--eval-harness-batch-size {self.eval_harness_batch_size} must be at least 1")
+        if self.eval_harness_num_fewshot is not None and self.eval_harness_num_fewshot < 0:
+            raise ValueError(f"--eval-harness-num-fewshot {self.eval_harness_num_fewshot} must be >= 0")
+
+    @property
+    def enabled(self):
+        return bool(self.eval_harness_tasks)
+
+# ---- end of the lm-evaluation-harness block ------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a run needs, resolved from the flags once (saved beside each checkpoint)."""
@@ -411,6 +445,7 @@ class Config:
     deepspeed_config: Optional[str] = None
     upstream: UpstreamConfig = UpstreamConfig()  # upstream compatibility (issue 21)
     monitoring: MonitoringConfig = MonitoringConfig()
+    eval_harness: EvalHarnessConfig = EvalHarnessConfig()
 
     def __post_init__(self):
         model, parallel, training = self.model, self.parallel, self.training

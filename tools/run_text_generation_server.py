@@ -7,8 +7,9 @@
         -d '{"prompt": "The cat sat on the", "max_tokens": 32, "temperature": 0}'
 
 Endpoints: POST /v1/completions (OpenAI's schema; top_k as an extension; "stream": true sends server-sent events
-ending with "data: [DONE]"), GET /v1/models, GET /health (200 once the model is loaded and the engine runs), and
-PUT /api (Megatron-LM's {"prompts": [...], "tokens_to_generate": n} for tools/text_generation_cli.py).
+ending with "data: [DONE]"; "logprobs" and "echo" as lm-eval's local-completions backend uses them), GET /v1/models,
+GET /health (200 once the model is loaded and the engine runs), PUT /api (Megatron-LM's {"prompts": [...],
+"tokens_to_generate": n} for tools/text_generation_cli.py), and GET /tokenizer_info, POST /tokenize, POST /detokenize.
 
 Requests share one InferenceEngine with continuous batching: up to --max-batch-size completions decode together,
 a new one joins at the next engine step and leaves when done; greedy output does not depend on the batch. The

@@ -3,6 +3,8 @@
     engine.py     InferenceEngine: static KV cache, batched/chunked prefill, CUDA-graph decode, continuous batching
     kv_cache.py   StaticKVCache: the slots x positions cache and its attention
     sampling.py   SamplingParams, per-row greedy/temperature/top-k/top-p sampling with hashed seeds
+    scoring.py    Scorer: token log-probs on any TP x PP layout (LM head on scored positions only, padding rows of
+                  the vocabulary masked): evaluation (megatron/evaluation) and the server's logprobs/echo
     reference.py  the eager path with a growing cache (the engine is tested against it and against HF)
     api.py        the server's request validation, streamed text deltas and response objects (pure)
     server.py     the HTTP server: OpenAI completions + Megatron's PUT /api over one engine thread

@@ -8,6 +8,8 @@ Everything here is pure (no HTTP, no engine) so each rule is unit-tested on its 
     IncrementalText                         a row's growing ids -> text deltas that concatenate to the final text,
                                             cut at the first stop string
     completion_body / chunk_body / ...      the response objects
+    logprobs_body                           OpenAI's legacy logprobs (tokens, token_logprobs, top_logprobs,
+                                            text_offset) from a scoring.Scored
 
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
@@ -20,6 +22,7 @@ from megatron.inference.sampling import SamplingParams
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (0 is the documented way)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # the most alternatives top_logprobs lists per token (OpenAI allows 5)
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
 
@@ -68,6 +71,7 @@ class CompletionRequest:
     include_usage: bool = False
     echo: bool = False
     model: str = None
+    logprobs: int = None  # None: no log-probabilities; k: each token's and its top k alternatives'
 
 
 # ---- field checks ------------------------------------------------------------------------------------------------
@@ -166,6 +170,7 @@ def _unsupported(body, name, allowed, what):
 
 def sampling_params(temperature, top_p, top_k, max_tokens):
     """SamplingParams from API values: temperature 0 (below 1e-5) is greedy; top_k -1 or 0 disables top-k."""
+    max_tokens = max(max_tokens, 1)  # max_tokens 0 (echo scoring) generates nothing; the params are unused
     if temperature < GREEDY_TEMPERATURE:
         return SamplingParams(greedy=True, max_new_tokens=max_tokens)
     return SamplingParams(greedy=False, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
@@ -184,7 +189,9 @@ def parse_completion_request(body, limits):
         raise bad("model", f"model must be a string (got {_show(model)})")
     prompts = _prompts(body)
     default_tokens = min(DEFAULT_MAX_TOKENS, limits.max_new_tokens)
-    max_tokens = _int(body, "max_tokens", default_tokens, low=1, high=limits.max_new_tokens,
+    echo = _bool(body, "echo")
+    # with echo, max_tokens 0 scores the prompt only (OpenAI's legacy completions allow it)
+    max_tokens = _int(body, "max_tokens", default_tokens, low=0 if echo else 1, high=limits.max_new_tokens,
                       high_hint=f"this server's limit of {limits.max_new_tokens} tokens (--max-new-tokens-limit)")
     temperature = _number(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0 (0 decodes greedily)")
     top_p = _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 disables it)")
@@ -209,18 +216,24 @@ def parse_completion_request(body, limits):
     if best_of is not None and best_of != n:
         raise bad("best_of", f"best_of must equal n ({n}) on this server: it does not rank samples (got "
                              f"{_show(best_of)})")
-    echo = _bool(body, "echo")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", f"user must be a string (got {_show(user)})")
-    _unsupported(body, "logprobs", (), "no log-probabilities are computed")
+    logprobs = _int(body, "logprobs", None, low=0, high=MAX_LOGPROBS,
+                    high_hint=f"this server's limit of {MAX_LOGPROBS} alternatives per token")
+    if logprobs is not None and stream:
+        raise bad("logprobs", "logprobs is not supported with stream: true on this server; ask without streaming")
+    if max_tokens == 0 and (logprobs is None or stream):
+        raise bad("max_tokens", "max_tokens 0 (scoring the prompt only) needs echo: true and logprobs, without "
+                                "stream")
     _unsupported(body, "presence_penalty", (0,), "only 0")
     _unsupported(body, "frequency_penalty", (0,), "only 0")
     _unsupported(body, "logit_bias", ({},), "only an empty object")
     _unsupported(body, "suffix", ("",), "no insertion")
     return CompletionRequest(prompts=prompts, max_tokens=max_tokens,
                              params=sampling_params(temperature, top_p, top_k, max_tokens), seed=seed, stop=stop,
-                             n=n, stream=stream, include_usage=include_usage, echo=echo, model=model)
+                             n=n, stream=stream, include_usage=include_usage, echo=echo, model=model,
+                             logprobs=logprobs)
 
 
 # ---- Megatron's PUT /api -----------------------------------------------------------------------------------------
@@ -392,8 +405,35 @@ class IncrementalText:
 
 # ---- responses ---------------------------------------------------------------------------------------------------
 
-def choice_body(index, text, finish_reason):
-    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+def choice_body(index, text, finish_reason, logprobs=None):
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def logprobs_body(ids, scored, detokenize, first_offset=0, echo=True):
+    """OpenAI's legacy completion logprobs for token ids: tokens (each id's text), token_logprobs, top_logprobs
+    ({token text: log-prob}, the best first) and text_offset (where each token's text starts in prompt + text).
+
+    ids: the prompt followed by the completion; scored: a scoring.Scored of ids[1:] (the first token has nothing to
+    predict it: with echo its log-prob and top_logprobs are null). Without echo only the completion's tokens, from
+    index first_offset (the prompt's length) on, are listed; their offsets still count the prompt's text."""
+    texts, offsets, length = [], [], 0
+    for k in range(len(ids)):
+        offsets.append(length)
+        text = detokenize(ids[:k + 1])
+        texts.append(detokenize([ids[k]]))
+        length = len(text)
+    token_logprobs = [None] + list(scored.logprobs)
+    top = [None]
+    for k in range(len(scored.logprobs)):
+        entry = {}
+        if scored.top_ids is not None:
+            for token, value in zip(scored.top_ids[k], scored.top_logprobs[k]):
+                key = detokenize([token])
+                entry[key] = max(value, entry.get(key, float("-inf")))
+        top.append(entry)
+    start = 0 if echo else first_offset
+    return {"tokens": texts[start:], "token_logprobs": token_logprobs[start:], "top_logprobs": top[start:],
+            "text_offset": offsets[start:]}
 
 
 def usage_body(prompt_tokens, completion_tokens):

@@ -4,6 +4,14 @@
     GET  /v1/models        the one served model
     GET  /health           200 with the engine's counters while the engine thread runs, 503 otherwise
     PUT  /api              Megatron-LM's text generation request ({"prompts": [...], "tokens_to_generate": n})
+    GET  /tokenizer_info   the special tokens and the context (what lm-eval's remote tokenizer reads)
+    POST /tokenize         {"prompt": text} -> {"tokens": [...], "count", "max_model_len"}
+    POST /detokenize       {"tokens": [...]} -> {"prompt": text}
+
+Completions with "logprobs": k carry OpenAI's legacy log-probabilities (tokens, token_logprobs, top_logprobs,
+text_offset) of the completion, and of the prompt too with "echo": true (its first token's are null); "max_tokens":
+0 with echo scores the prompt alone. They come from one forward pass of prompt + completion on the engine thread
+(megatron/inference/scoring.py), so lm-eval's local-completions backend gets the scores of our own backend.
 
 Threads: the HTTP side runs on one asyncio loop (uvicorn); one EngineWorker thread owns the engine (worker.py:
 the thread, and the Job/Row objects that carry each request's ids back to the loop). Text, stop strings and
@@ -71,7 +79,10 @@ def build_app(engine, tokenizer, settings):
                 if cancelled:
                     logger.info("server: client disconnected mid-stream; cancelled %d rows", cancelled)
 
+    from megatron.inference.scoring import Scorer
+
     worker = EngineWorker(engine, settings.steps_per_sync)
+    scorer = Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size)
     limits = api.Limits(max_new_tokens=settings.max_new_tokens, context=engine.max_seq_len,
                         vocab_size=tokenizer.vocab_size)
     eod = tokenizer.eod if engine.eod_id >= 0 else None
@@ -104,7 +115,7 @@ def build_app(engine, tokenizer, settings):
     @app.exception_handler(HTTPException)
     async def http_error(request, err):  # unknown paths, wrong methods
         message = {404: f"no route {request.url.path}: the server has POST /v1/completions, GET /v1/models, "
-                        "GET /health and PUT /api",
+                        "GET /health, PUT /api, GET /tokenizer_info, POST /tokenize and POST /detokenize",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
         return error_response(APIError(err.status_code, message))
 
@@ -194,6 +205,46 @@ def build_app(engine, tokenizer, settings):
         authorize(request)
         return JSONResponse(api.models_body(settings.model_name, created))
 
+    async def logprobs_of(sequences, prompt_lengths, top_n, echo):
+        """OpenAI logprobs objects of token sequences (prompt + completion), scored on the engine thread."""
+        if not worker.alive:
+            raise APIError(503, "the engine is not running (the server is stopping); retry later")
+        spans = [(0, seq[1:]) for seq in sequences]
+        try:
+            scored = await worker.call(lambda: scorer.score(sequences, spans, top_n))
+        except Exception as err:  # noqa: BLE001  the engine thread logged it
+            raise APIError(500, f"scoring the tokens failed ({type(err).__name__}); see the server log") from err
+        return [api.logprobs_body(seq, s, tokenizer.detokenize, length, echo)
+                for seq, s, length in zip(sequences, scored, prompt_lengths)]
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        authorize(request)
+        special = tokenizer.special_tokens
+        return JSONResponse({"eos_token": special.get("eos_token"), "bos_token": special.get("bos_token"),
+                             "pad_token": special.get("pad_token"), "unk_token": special.get("unk_token"),
+                             "model_max_length": limits.context, "vocab_size": tokenizer.vocab_size,
+                             "chat_template": None})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        authorize(request)
+        body = await read_json(request)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise APIError(400, "prompt must be a string (the text to tokenize)", param="prompt")
+        ids = tokenizer.tokenize(text)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits.context})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        authorize(request)
+        body = await read_json(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(api._is_int(t) and 0 <= t < limits.vocab_size for t in ids):
+            raise APIError(400, f"tokens must be a list of token ids in [0, {limits.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": tokenizer.detokenize(ids)})
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
@@ -201,9 +252,15 @@ def build_app(engine, tokenizer, settings):
         check_model(req.model)
         ids = api.tokenize_prompts(req.prompts, tokenizer, limits, req.max_tokens)
         echo = [p if isinstance(p, str) else tokenizer.detokenize(p) for p in req.prompts] if req.echo else None
-        job = start_job(ids, req.params, req.seed, req.n, req.stop)
         request_id, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(i) for i in ids)
+        if req.max_tokens == 0:  # echo + logprobs: the prompts scored, nothing generated
+            bodies = await logprobs_of([list(p) for p in ids for _ in range(req.n)],
+                                       [len(p) for p in ids for _ in range(req.n)], req.logprobs, True)
+            choices = [api.choice_body(k, echo[k // req.n], "length", body) for k, body in enumerate(bodies)]
+            return JSONResponse(api.completion_body(request_id, now, settings.model_name, choices,
+                                                    api.usage_body(prompt_tokens * req.n, 0)))
+        job = start_job(ids, req.params, req.seed, req.n, req.stop)
 
         def prefix(row):
             return echo[row.index // req.n] if echo else ""
@@ -214,7 +271,15 @@ def build_app(engine, tokenizer, settings):
         if not req.stream:
             if not await finish(request, job):
                 return Response(status_code=499)  # nobody is listening
-            choices = [api.choice_body(row.index, prefix(row) + row.text.text, row.finish_reason) for row in job.rows]
+            bodies = [None] * len(job.rows)
+            if req.logprobs is not None:
+                prompts = [ids[row.index // req.n] for row in job.rows]
+                completions = [[t for t in row.output[:row.text.tokens] if eod is None or t != eod]
+                               for row in job.rows]
+                bodies = await logprobs_of([list(p) + c for p, c in zip(prompts, completions)],
+                                           [len(p) for p in prompts], req.logprobs, req.echo)
+            choices = [api.choice_body(row.index, prefix(row) + row.text.text, row.finish_reason, body)
+                       for row, body in zip(job.rows, bodies)]
             return JSONResponse(api.completion_body(request_id, now, settings.model_name, choices, usage()))
 
         async def events():

@@ -58,6 +58,13 @@ class EngineWorker:
         """Stops rows (queued or running); count: a client's cancellation (not a stop string)."""
         self._commands.put(("cancel", (rows, count)))
 
+    def call(self, fn):
+        """Runs fn() on the engine thread between steps (the model is the engine's: scoring for logprobs);
+        returns an asyncio future of its result (or its exception). Called on the loop."""
+        future = self._loop.create_future()
+        self._commands.put(("call", (fn, future)))
+        return future
+
     def stop(self, timeout=10.0):
         if self._thread is not None:
             self._commands.put(("stop", None))
@@ -82,6 +89,8 @@ class EngineWorker:
                         return
                     if kind == "add":
                         self._add(payload, active)
+                    elif kind == "call":
+                        self._call(*payload)
                     else:
                         rows, count = payload
                         for row in rows:
@@ -97,6 +106,17 @@ class EngineWorker:
             self._post([(row, [], "error") for row in active])
         finally:
             self.alive = False
+
+    def _call(self, fn, future):
+        try:
+            result, error = fn(), None
+        except Exception as err:  # noqa: BLE001  handed to the request that asked, not the engine thread
+            logger.exception("server: a scoring call failed")
+            result, error = None, err
+        try:
+            self._loop.call_soon_threadsafe(_resolve, future, result, error)
+        except RuntimeError:  # the loop has closed
+            pass
 
     def _add(self, rows, active):
         for row in rows:
@@ -140,6 +160,15 @@ class EngineWorker:
                 self._loop.call_soon_threadsafe(_deliver, updates)
             except RuntimeError:  # the loop has closed: nobody is waiting for these rows
                 pass
+
+
+def _resolve(future, result, error):
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _deliver(updates):

@@ -79,8 +79,13 @@ def test_completion_defaults_and_greedy():
      "best_of must equal n (3) on this server: it does not rank samples (got 5)"),
     ({"prompt": ["a", "b", "c"], "n": 3}, "n",
      "the request asks for 9 completions (prompts x n); this server allows at most 8 per request"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs",
-     "logprobs is not supported by this server (no log-probabilities are computed); leave it out"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs",
+     "logprobs 21 exceeds this server's limit of 20 alternatives per token"),
+    ({"prompt": "x", "logprobs": 1, "stream": True}, "logprobs",
+     "logprobs is not supported with stream: true on this server; ask without streaming"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1 (got 0)"),
+    ({"prompt": "x", "max_tokens": 0, "echo": True}, "max_tokens",
+     "max_tokens 0 (scoring the prompt only) needs echo: true and logprobs, without stream"),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty",
      "frequency_penalty is not supported by this server (only 0); leave it out"),
     ({"prompt": "x", "model": 3}, "model", "model must be a string (got 3)"),
@@ -229,3 +234,27 @@ def test_worker_admits_a_row_into_the_running_batch_with_its_solo_output():
     outputs, running_meanwhile, stats = asyncio.run(scenario())
     assert outputs == [s[0] for s in solo]
     assert running_meanwhile and stats["peak_running"] == 3 and stats["finished"] == 3 and not stats["cancelled"]
+
+
+def test_logprobs_body_is_openais_legacy_format(tokenizer):
+    from megatron.inference.scoring import Scored
+
+    ids = tokenizer.tokenize("The cat sat")  # prompt: the first two tokens, completion: the rest
+    scored = Scored([-1.5, -0.25][:len(ids) - 1] + [-2.0] * (len(ids) - 3), [False] * (len(ids) - 1),
+                    top_ids=[[ids[k + 1], 7] for k in range(len(ids) - 1)],
+                    top_logprobs=[[-0.5, -0.75] for _ in range(len(ids) - 1)])
+    body = api.logprobs_body(ids, scored, tokenizer.detokenize, first_offset=2, echo=True)
+    texts = [tokenizer.detokenize([t]) for t in ids]
+    assert body["tokens"] == texts
+    assert body["token_logprobs"] == [None] + scored.logprobs
+    assert body["text_offset"] == [sum(len(t) for t in texts[:k]) for k in range(len(ids))]
+    assert body["top_logprobs"][0] is None
+    assert body["top_logprobs"][1] == {texts[1]: -0.5, tokenizer.detokenize([7]): -0.75}
+    plain = api.logprobs_body(ids, scored, tokenizer.detokenize, first_offset=2, echo=False)
+    assert plain == {key: value[2:] for key, value in body.items()}
+
+
+def test_logprobs_and_echo_scoring_are_parsed():
+    req = api.parse_completion_request({"prompt": [[5, 6]], "max_tokens": 0, "echo": True, "logprobs": 1}, LIMITS)
+    assert (req.max_tokens, req.echo, req.logprobs, req.prompts) == (0, True, 1, [[5, 6]])
+    assert api.parse_completion_request({"prompt": "x"}, LIMITS).logprobs is None
