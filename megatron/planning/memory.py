@@ -167,12 +167,12 @@ def head_activation_bytes(b, s, h, v, tp, w, fused_cross_entropy=True):
     """Final LayerNorm (its input, fp32 statistics), the LM head's input, the int64 targets, and the loss's
     saved tensor: with the fused cross entropy (CUDA, any TP; the torch ops at TP > 1) the logits (b s V/t in w,
     whose gradient is written over them) and the (b s) log-sum-exp; with torch's cross entropy (CPU, TP 1)
-    the fp32 log-softmax of the logits instead."""
+    the fp32 log-softmax of the logits and a 4-byte total weight instead."""
     tokens = b * s
     saved = 2 * tokens * h * w + 8 * tokens + 8 * tokens
     if fused_cross_entropy:
         return saved + tokens * v // tp * w + 8 * tokens
-    return saved + tokens * v // tp * 4
+    return saved + tokens * v // tp * 4 + 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,7 +203,8 @@ class Trainer:
                               self.pipelined, self.state.dp_group, self.guard,
                               on_phase=lambda phase: self.callbacks("on_phase", self, iteration, phase))
         except torch.cuda.OutOfMemoryError as err:
-            raise RuntimeError(OOM_HINT) from err
+            from megatron.planning.advice import oom_suggestion
+            raise RuntimeError(OOM_HINT + oom_suggestion(self.config)) from err
         progress.iteration = iteration
         progress.consumed_samples += self.config.training.global_batch_size
         self.losses[iteration] = loss

@@ -1,0 +1,202 @@
+"""The layout planner: every (TP, PP, DP, ZeRO stage, micro batch, activation checkpointing, CPU offload) for a
+number of GPUs, each validated by the same resolve() pretrain_bloom.py runs, with its predicted per-GPU peak
+memory (memory.py) and step time (speed.py); what fits sorted by predicted speed, and one recommendation.
+
+tools/plan_layout.py is the command line; pretrain_bloom.py asks best_fitting() for its out-of-memory advice.
+"""
+import argparse
+import copy
+import dataclasses
+import itertools
+from typing import Optional
+
+from megatron.planning import memory, speed
+
+# DeepSpeed JSON keys and top-level flag keys that fix a layout choice the planner varies itself.
+_LAYOUT_JSON_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "micro_batch_size",
+                     "tensor_model_parallel_size", "model_parallel_size", "pipeline_model_parallel_size",
+                     "pipe_parallel_size", "zero_stage", "checkpoint_activations", "cpu_offload")
+_LAYOUT_DESTS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "zero_stage",
+                 "cpu_offload", "checkpoint_activations", "global_batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    micro_batch: int
+    checkpoint_activations: bool
+    cpu_offload: bool
+
+    def flags(self):
+        """The pretrain_bloom.py flags of this layout."""
+        out = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}",
+               f"--zero-stage {self.zero_stage}", f"--micro-batch-size {self.micro_batch}"]
+        return " ".join(out + (["--checkpoint-activations"] if self.checkpoint_activations else [])
+                        + (["--cpu-offload"] if self.cpu_offload else []))
+
+    def short(self):
+        return (f"TP {self.tp} x PP {self.pp} x DP {self.dp}, ZeRO {self.zero_stage}, micro batch {self.micro_batch}"
+                + (", activation checkpointing" if self.checkpoint_activations else "")
+                + (", CPU offload" if self.cpu_offload else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    config: object  # the resolved megatron Config
+    stages: list  # [memory.StageMemory]
+    time: speed.StepTime
+    fits: bool
+
+    @property
+    def peak(self):
+        return max(stage.peak for stage in self.stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    num_gpus: int
+    gpu_memory_gib: float
+    peak_tflops: float
+    efficiency: float
+    bandwidths: speed.Bandwidths
+    memory_margin: float = 0.1  # allocator fragmentation and the CUDA context, outside max_memory_allocated
+    cuda: bool = True
+
+    @property
+    def usable_bytes(self):
+        return self.gpu_memory_gib * (1 - self.memory_margin) * memory.GIB
+
+
+def layout_free(user_json):
+    """The DeepSpeed JSON without the keys that pin a layout choice (train_batch_size, the global batch, stays)."""
+    free = {k: copy.deepcopy(v) for k, v in (user_json or {}).items() if k not in _LAYOUT_JSON_KEYS}
+    zero = dict(free.get("zero_optimization", {}))
+    zero.pop("stage", None)
+    zero.pop("offload_optimizer", None)
+    if zero:
+        free["zero_optimization"] = zero
+    else:
+        free.pop("zero_optimization", None)
+    ac = dict(free.get("activation_checkpointing", {}))
+    if ac.pop("partition_activations", None) is not None:
+        free["activation_checkpointing"] = ac
+    return free
+
+
+def resolve(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available=True):
+    """pretrain_bloom.py's resolve() (megatron.arguments), the one validation of a launch line."""
+    from megatron.arguments import resolve as resolve_flags
+    return resolve_flags(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available)
+
+
+def resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size):
+    """(Config, DeepSpeed dict) of `args` with this layout's flags, through pretrain_bloom.py's resolve();
+    raises its ValueError for a layout it refuses."""
+    values = dict(vars(args))
+    values.update(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                  micro_batch_size=layout.micro_batch, zero_stage=layout.zero_stage, cpu_offload=layout.cpu_offload,
+                  checkpoint_activations=layout.checkpoint_activations, global_batch_size=global_batch,
+                  partition_activations=False)
+    values["explicit_flags"] = frozenset(args.explicit_flags) | set(_LAYOUT_DESTS)
+    return resolve(argparse.Namespace(**values), layout.tp * layout.pp * layout.dp, layout_free(user_json), None,
+                   tokenizer_vocab_size, cuda_available=True)
+
+
+def evaluate(config, hardware, attention="flex", fused_cross_entropy=True):
+    """Plan of a resolved Config on this hardware."""
+    par, training = config.parallel, config.training
+    tp, pp, dp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size
+    layout = Layout(tp, pp, dp, training.zero_stage, training.micro_batch_size, config.model.checkpoint_activations,
+                    training.cpu_offload)
+    stages = memory.layout_memory(config.model, tp, pp, dp, training.micro_batch_size,
+                                  training.gradient_accumulation_steps, config.precision.name, training.zero_stage,
+                                  config.model.checkpoint_activations, training.cpu_offload, hardware.cuda,
+                                  attention, fused_cross_entropy)
+    rank_params = max(sum(n for n, _ in memory.rank_tensors(config.model, tp, pp, stage)[0]) for stage in range(pp))
+    time = speed.step_time(config.model, tp, pp, dp, training.micro_batch_size, training.gradient_accumulation_steps,
+                           config.precision.name, training.zero_stage, config.model.checkpoint_activations,
+                           training.cpu_offload, hardware.peak_tflops, hardware.efficiency, hardware.bandwidths,
+                           rank_params)
+    fits = max(stage.peak for stage in stages) <= hardware.usable_bytes
+    return Plan(layout, config, stages, time, fits)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(num_gpus, global_batch, max_micro_batch=64):
+    for tp in _divisors(num_gpus):
+        for pp in _divisors(num_gpus // tp):
+            dp = num_gpus // (tp * pp)
+            per_rank = global_batch // dp if global_batch % dp == 0 else 0
+            micros = [m for m in _divisors(per_rank) if m <= max_micro_batch] if per_rank else [1]
+            for zero, micro, ckpt, offload in itertools.product((0, 1, 2, 3), micros, (False, True), (False, True)):
+                yield Layout(tp, pp, dp, zero, micro, ckpt, offload)
+
+
+def plan_all(args, user_json, hardware, global_batch, tokenizer_vocab_size):
+    """(plans sorted: what fits by predicted tokens/s, then the rest by memory; {refusal message: count})."""
+    plans, refused = [], {}
+    for layout in candidates(hardware.num_gpus, global_batch):
+        try:
+            config, _ = resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size)
+        except ValueError as err:
+            refused[str(err)] = refused.get(str(err), 0) + 1
+            continue
+        plans.append(evaluate(config, hardware))
+    plans.sort(key=lambda p: (not p.fits, -p.time.tokens_per_second if p.fits else p.peak, p.peak))
+    return plans, refused
+
+
+def recommendation(plans, hardware) -> Optional[str]:
+    """One sentence on the fastest layout that fits (None when nothing fits)."""
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        return None
+    best = fitting[0]
+    sentence = (f"Recommended: {best.layout.short()} ({best.layout.flags()}): predicted "
+                f"{best.peak / memory.GIB:.1f} of {hardware.gpu_memory_gib:g} GiB per GPU and "
+                f"{best.time.tokens_per_second:,.0f} tokens/s, the fastest of {len(fitting)} layouts that fit")
+    if len(fitting) > 1:
+        runner = fitting[1]
+        sentence += (f"; the next, {runner.layout.short()}, is {100 * (1 - runner.time.tokens_per_second / best.time.tokens_per_second):.0f}% "
+                     "slower")
+    reasons = []
+    if best.layout.pp > 1:
+        reasons.append(f"the pipeline bubble costs {100 * best.time.bubble:.0f}%")
+    if best.layout.tp > 1:
+        reasons.append(f"TP all-reduces take {best.time.tp_comm:.2f} s of the {best.time.seconds:.2f} s step")
+    if best.time.dp_comm > 0:
+        reasons.append(f"data-parallel gradient traffic {best.time.dp_comm:.2f} s")
+    return sentence + (" (" + "; ".join(reasons) + ")." if reasons else ".")
+
+
+def best_fitting(config, gpu_memory_bytes, cuda=True):
+    """The fastest layout that fits on config's world size and model with GPUs of gpu_memory_bytes (published
+    bandwidths of an H100-class host and the default efficiency: the ranking, not the figures, matters here),
+    or None. For pretrain_bloom.py's warning and out-of-memory hint."""
+    spec = speed.GPUS["h100"]
+    hardware = Hardware(config.parallel.world_size, gpu_memory_bytes / memory.GIB, spec["tflops"],
+                        speed.DEFAULT_EFFICIENCY, speed.bandwidths_from(spec), cuda=cuda)
+    best = None
+    for layout in candidates(config.parallel.world_size, config.training.global_batch_size):
+        try:
+            candidate = dataclasses.replace(
+                config, model=dataclasses.replace(config.model, tensor_model_parallel_size=layout.tp,
+                                                  checkpoint_activations=layout.checkpoint_activations),
+                parallel=dataclasses.replace(config.parallel, tensor_model_parallel_size=layout.tp,
+                                             pipeline_model_parallel_size=layout.pp),
+                training=dataclasses.replace(config.training, micro_batch_size=layout.micro_batch,
+                                             data_parallel_size=layout.dp, zero_stage=layout.zero_stage,
+                                             cpu_offload=layout.cpu_offload, partition_activations=False))
+        except ValueError:
+            continue
+        plan = evaluate(candidate, hardware)
+        if plan.fits and (best is None or plan.time.tokens_per_second > best.time.tokens_per_second):
+            best = plan
+    return best
