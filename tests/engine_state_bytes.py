@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -146,7 +147,10 @@ def main():
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     results = {}
     for flags in layouts:
+        start = time.perf_counter()
         held = run_layout(flags)
+        if dist.get_rank() == 0:
+            print(f"{flags}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, held)
         results[flags] = gathered

@@ -72,6 +72,9 @@ def check_save_folder(folder, test_bytes=256 << 20):
     target = os.path.abspath(folder)
     probe_dir = target
     while not os.path.isdir(probe_dir):
+        if os.path.exists(probe_dir):
+            return [("--save", FAIL, f"{folder}: {probe_dir} is a file, so the folder cannot be created; pick "
+                                     "another --save")]
         probe_dir = os.path.dirname(probe_dir)
     where = target if probe_dir == target else f"{probe_dir} (nearest existing parent of {target})"
     if not os.access(probe_dir, os.W_OK):

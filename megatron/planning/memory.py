@@ -122,7 +122,9 @@ def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_off
         shard = sum(-(-numel // dp) for numel, _ in tensors)
         return ModelStates(w * shard, w * shard + master_grad, optimizer, w * shard, bucket)
     weights = w * sum(padded)
-    accumulating = w * partition + (w * n if zero_stage == 1 else 0)
+    # ZeRO 1 accumulates the micro batches' gradients in the weights' .grad and reduces them at the last one;
+    # ZeRO 2 reduces each micro batch's gradients into its flat partition as backward produces them
+    accumulating = w * n if zero_stage == 1 else w * partition
     return ModelStates(weights, w * partition + master_grad + w * unused, optimizer, accumulating, bucket)
 
 
@@ -236,6 +238,16 @@ def layout_memory(model, tp, pp, dp, micro_batch, gradient_accumulation, precisi
     return [stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, precision, zero_stage,
                          checkpoint_activations, cpu_offload, cuda, attention, fused_cross_entropy)
             for stage in range(pp)]
+
+
+def rank_model_states(config, stage, dp_rank=0, cuda=True):
+    """ModelStates of the rank at (pipeline `stage`, `dp_rank`) of a resolved megatron Config (any TP rank:
+    they hold the same sizes)."""
+    par, training = config.parallel, config.training
+    tensors, unused = rank_tensors(config.model, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                   stage)
+    return model_state_bytes(tensors, config.precision.name, training.zero_stage, par.data_parallel_size,
+                             par.pipeline_model_parallel_size, dp_rank, training.cpu_offload, cuda, unused)
 
 
 def predicted_peak_bytes(config, cuda=True, attention=None, fused_cross_entropy=None):
