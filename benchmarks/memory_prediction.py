@@ -6,7 +6,7 @@ One process. For each configuration it builds the real engine through pretrain_b
 setup_engine, bf16, DeepSpeed), runs --steps optimizer steps of --grad-accum micro batches of mock tokens, and
 reads torch.cuda.max_memory_allocated (the log line's "peak allocated" figure), reset before the build, minus
 what was still allocated before it (the previous engine is freed first). The prediction is
-megatron.planning.memory.predicted_peak_bytes of the same resolved Config, with the attention backend and the
+megatron.planning.memory.layout_memory of the same resolved Config, with the attention backend and the
 cross-entropy path that served the run (FlexAttention and the fused kernel on CUDA). Prints a table of predicted,
 measured and their ratio, and writes it as JSON. A configuration that runs out of memory is recorded as such.
 """

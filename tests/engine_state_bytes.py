@@ -12,7 +12,6 @@ the order above), so views of one flat buffer are not counted twice.
 """
 import gc
 import json
-import os
 import sys
 import time
 

@@ -23,11 +23,10 @@ group is one whole tensor). Flat ZeRO buffers are padded to a multiple of 2 x dp
 partitions each tensor to ceil(numel / dp).
 """
 import dataclasses
-import math
-from typing import Optional
 
 GIB = 2 ** 30
 ZERO_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+ZERO3_PREFETCH_ELEMENTS = 50_000_000  # DeepSpeed's default stage3_prefetch_bucket_size
 CUDA_CONTEXT_BYTES = 0  # torch.cuda.max_memory_allocated does not see the CUDA context; nvidia-smi does
 
 
@@ -89,7 +88,7 @@ class ModelStates:
     comm_buffers: int
 
 
-def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_offload=False, cuda=True, unused=0):
+def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_offload=False, unused=0):
     """ModelStates of a rank holding `tensors` ([(numel, is_matrix)], rank_tensors) under DeepSpeed; `unused`
     elements get no gradient in backward (BF16_Optimizer then holds no bf16 gradient for them, ZeRO 1/2 a
     zero-filled one beside its flat partition).
@@ -114,13 +113,15 @@ def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_off
     master_grad = 4 * padded[largest] // dp
     if precision == "fp32" and zero_stage < 3 and _partition_is_one_tensor(groups[largest], dp, dp_rank):
         master_grad = 0
-    bucket = ZERO_BUCKET_ELEMENTS * w if cuda or zero_stage == 3 else 0
+    # the gradient reduction bucket: reduce_bucket_size elements of w, allocated in every micro batch's backward
+    bucket = ZERO_BUCKET_ELEMENTS * w
     optimizer = 0 if cpu_offload else 12 * partition + adam_steps
     if cpu_offload:
         master_grad = 0
-    if zero_stage == 3:
-        shard = sum(-(-numel // dp) for numel, _ in tensors)
-        return ModelStates(w * shard, w * shard + master_grad, optimizer, w * shard, bucket)
+    if zero_stage == 3:  # + the gathered weights of the module running (the largest: the word embedding) and
+        shard = sum(-(-numel // dp) for numel, _ in tensors)  # the prefetch bucket
+        gathered = w * (max(numel for numel, _ in tensors) + ZERO3_PREFETCH_ELEMENTS)
+        return ModelStates(w * shard, w * shard + master_grad, optimizer, w * shard, bucket + gathered)
     weights = w * sum(padded)
     # ZeRO 1 accumulates the micro batches' gradients in the weights' .grad and reduces them at the last one;
     # ZeRO 2 reduces each micro batch's gradients into its flat partition as backward produces them
@@ -194,14 +195,17 @@ class StageMemory:
 
 
 def stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, precision, zero_stage,
-                 checkpoint_activations, cpu_offload=False, cuda=True, attention="flex",
-                 fused_cross_entropy=True, dp_rank=0):
-    """StageMemory of one rank of `stage` for this layout (model: ModelConfig, vocab padded)."""
+                 checkpoint_activations, cpu_offload=False, cuda=True, attention=None,
+                 fused_cross_entropy=None, dp_rank=0):
+    """StageMemory of one rank of `stage` for this layout (model: ModelConfig, vocab padded). attention and
+    fused_cross_entropy default to what serves on CUDA (flex, the fused kernel) or on the CPU (torch's)."""
+    attention = attention or ("flex" if cuda else "torch")
+    fused_cross_entropy = cuda if fused_cross_entropy is None else fused_cross_entropy
     b, s, h, f, a, v = (micro_batch, model.seq_length, model.hidden_size, model.ffn_dim,
                         model.num_attention_heads, model.vocab_size)
     w = 4 if precision == "fp32" else 2
     tensors, unused = rank_tensors(model, tp, pp, stage)
-    states = model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank, cpu_offload, cuda, unused)
+    states = model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank, cpu_offload, unused)
     layers = stage_layers(model.num_layers, pp)[stage]
     first, last = stage == 0, stage == pp - 1
     per_layer = layer_activation_bytes(b, s, h, f, a, tp, w, attention)
@@ -232,39 +236,19 @@ def stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, p
 
 
 def layout_memory(model, tp, pp, dp, micro_batch, gradient_accumulation, precision, zero_stage,
-                  checkpoint_activations, cpu_offload=False, cuda=True, attention="flex",
-                  fused_cross_entropy=True):
+                  checkpoint_activations, cpu_offload=False, cuda=True, attention=None,
+                  fused_cross_entropy=None):
     """[StageMemory per pipeline stage] (TP and DP rank 0 of each)."""
     return [stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, precision, zero_stage,
                          checkpoint_activations, cpu_offload, cuda, attention, fused_cross_entropy)
             for stage in range(pp)]
 
 
-def rank_model_states(config, stage, dp_rank=0, cuda=True):
+def rank_model_states(config, stage, dp_rank=0):
     """ModelStates of the rank at (pipeline `stage`, `dp_rank`) of a resolved megatron Config (any TP rank:
     they hold the same sizes)."""
     par, training = config.parallel, config.training
     tensors, unused = rank_tensors(config.model, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                    stage)
     return model_state_bytes(tensors, config.precision.name, training.zero_stage, par.data_parallel_size,
-                             par.pipeline_model_parallel_size, dp_rank, training.cpu_offload, cuda, unused)
-
-
-def predicted_peak_bytes(config, cuda=True, attention=None, fused_cross_entropy=None):
-    """The largest stage's predicted peak for a resolved megatron Config (what pretrain_bloom.py prints)."""
-    par, training = config.parallel, config.training
-    attention = attention or ("flex" if cuda else "torch")
-    fused = cuda if fused_cross_entropy is None else fused_cross_entropy
-    stages = layout_memory(config.model, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                           par.data_parallel_size, training.micro_batch_size, training.gradient_accumulation_steps,
-                           config.precision.name, training.zero_stage, config.model.checkpoint_activations,
-                           training.cpu_offload, cuda, attention, fused)
-    return max(stage.peak for stage in stages)
-
-
-def fmt_gib(nbytes: Optional[float]):
-    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
-
-
-def ceil_div(x, y):
-    return math.ceil(x / y)
+                             par.pipeline_model_parallel_size, dp_rank, training.cpu_offload, unused)

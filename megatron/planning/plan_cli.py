@@ -6,12 +6,10 @@ every valid layout with predicted memory and speed, and a recommendation.
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 
 from megatron.planning import memory, planner, speed
 
-logger = logging.getLogger("megatron")
 _FILLERS = (("--lr", "1e-4"), ("--train-iters", "1"))  # required by pretrain_bloom.py, irrelevant to a plan
 
 

@@ -106,7 +106,7 @@ def resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size):
                    tokenizer_vocab_size, cuda_available=True)
 
 
-def evaluate(config, hardware, attention="flex", fused_cross_entropy=True):
+def evaluate(config, hardware):
     """Plan of a resolved Config on this hardware."""
     par, training = config.parallel, config.training
     tp, pp, dp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size
@@ -114,8 +114,7 @@ def evaluate(config, hardware, attention="flex", fused_cross_entropy=True):
                     training.cpu_offload)
     stages = memory.layout_memory(config.model, tp, pp, dp, training.micro_batch_size,
                                   training.gradient_accumulation_steps, config.precision.name, training.zero_stage,
-                                  config.model.checkpoint_activations, training.cpu_offload, hardware.cuda,
-                                  attention, fused_cross_entropy)
+                                  config.model.checkpoint_activations, training.cpu_offload, hardware.cuda)
     rank_params = max(sum(n for n, _ in memory.rank_tensors(config.model, tp, pp, stage)[0]) for stage in range(pp))
     time = speed.step_time(config.model, tp, pp, dp, training.micro_batch_size, training.gradient_accumulation_steps,
                            config.precision.name, training.zero_stage, config.model.checkpoint_activations,

@@ -12,7 +12,7 @@ import pytest
 from megatron.arguments import parse_args, resolve
 from megatron.planning import memory
 from tests.distributed import free_port
-from tests.launch import PYTHON, ROOT, env
+from tests.launch import ROOT, env
 
 LAYOUTS = [f"{layout} --micro-batch-size 2{precision}"
            for precision in ("", " --bf16")
@@ -35,7 +35,7 @@ def predicted(flags, stage, dp_rank):
     from tests.engine_state_bytes import TINY
     args = parse_args(TINY + flags.split())
     config, _ = resolve(args, 4, None, None, None)
-    return memory.rank_model_states(config, stage, dp_rank, cuda=False)
+    return memory.rank_model_states(config, stage, dp_rank)
 
 
 @pytest.mark.parametrize("flags", LAYOUTS)
