@@ -57,7 +57,7 @@ def run_config(name, model_flags, micro, ckpt, zero, args):
     from megatron.data.samplers import build_pretraining_data_loader
     from megatron.fused_kernels import cross_entropy as ce
     from megatron.initialize import deepspeed_output, set_random_seeds
-    from megatron.planning.memory import GIB, layout_memory
+    from megatron.planning.memory import GIB, layout_memory, zero_buckets
     from megatron.training import setup_engine, train_step
 
     argv = model_flags + ["--micro-batch-size", str(micro), "--global-batch-size", str(micro * args.grad_accum),
@@ -97,7 +97,8 @@ def run_config(name, model_flags, micro, ckpt, zero, args):
         record["oom"] = True
     record["seconds"] = time.perf_counter() - start
     stages = layout_memory(config.model, 1, 1, 1, micro, args.grad_accum, "bf16", zero, ckpt, cuda=cuda,
-                           attention="flex" if cuda else "torch", fused_cross_entropy=fused)
+                           attention="flex" if cuda else "torch", fused_cross_entropy=fused,
+                           buckets=zero_buckets(ds_config))
     stage = stages[0]
     record.update(predicted_gib=stage.peak / GIB, fused_cross_entropy=fused,
                   weights_gib=stage.states.weights / GIB, gradients_gib=stage.states.gradients / GIB,

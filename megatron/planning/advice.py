@@ -7,13 +7,14 @@ from megatron.planning import memory, planner
 logger = logging.getLogger("megatron.planning")
 
 
-def predicted_memory_line(config, cuda):
+def predicted_memory_line(config, cuda, ds_config=None):
     """One line: the predicted peak per GPU of the fullest pipeline stage, with its parts."""
     par, training = config.parallel, config.training
     stages = memory.layout_memory(
         config.model, par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size,
         training.micro_batch_size, training.gradient_accumulation_steps, config.precision.name, training.zero_stage,
-        config.model.checkpoint_activations, training.cpu_offload, cuda=True)
+        config.model.checkpoint_activations, training.cpu_offload, cuda=True,
+        buckets=memory.zero_buckets(ds_config))
     worst = max(stages, key=lambda stage: stage.peak)
     st = worst.states
     where = f" (pipeline stage {worst.stage} of {len(stages)})" if len(stages) > 1 else ""
@@ -24,10 +25,10 @@ def predicted_memory_line(config, cuda):
             f"the fused loss{'' if cuda else '; this run is on the CPU'}); tools/plan_layout.py compares layouts"), worst.peak
 
 
-def suggestion(config, device_bytes):
+def suggestion(config, device_bytes, ds_config=None):
     """'--flags ... (predicted X GiB, Y tokens/s relative)': the planner's fastest layout that fits, or a
     sentence saying none does."""
-    best = planner.best_fitting(config, device_bytes)
+    best = planner.best_fitting(config, device_bytes, ds_config=ds_config)
     if best is None:
         return (f"no layout of {config.parallel.world_size} GPUs fits this model and batch in "
                 f"{device_bytes / memory.GIB:.1f} GiB per GPU by the planner's prediction: use more GPUs or a "
@@ -36,10 +37,10 @@ def suggestion(config, device_bytes):
             f"{best.peak / memory.GIB:.1f} GiB per GPU); see tools/plan_layout.py")
 
 
-def check_before_build(config, state, cuda):
+def check_before_build(config, ds_config, state, cuda):
     """Rank 0 logs the predicted peak; on CUDA, when it exceeds the device's memory, one warning with the
     planner's suggestion. Returns the predicted peak in bytes."""
-    line, peak = predicted_memory_line(config, cuda)
+    line, peak = predicted_memory_line(config, cuda, ds_config)
     if state.rank != 0:
         return peak
     logger.info("%s", line)
@@ -48,7 +49,7 @@ def check_before_build(config, state, cuda):
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if peak > total:
             logger.warning("the predicted peak memory per GPU, %.2f GiB, exceeds this GPU's %.2f GiB: %s",
-                           peak / memory.GIB, total / memory.GIB, suggestion(config, total))
+                           peak / memory.GIB, total / memory.GIB, suggestion(config, total, ds_config))
     return peak
 
 

@@ -88,7 +88,15 @@ class ModelStates:
     comm_buffers: int
 
 
-def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_offload=False, unused=0):
+def zero_buckets(ds_config=None):
+    """(reduce_bucket_size, stage3_prefetch_bucket_size) in elements from a DeepSpeed dict (its defaults if absent)."""
+    zero = (ds_config or {}).get("zero_optimization", {})
+    return (int(zero.get("reduce_bucket_size", ZERO_BUCKET_ELEMENTS)),
+            int(zero.get("stage3_prefetch_bucket_size", zero.get("prefetch_bucket_size", ZERO3_PREFETCH_ELEMENTS))))
+
+
+def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_offload=False, unused=0,
+                      buckets=(ZERO_BUCKET_ELEMENTS, ZERO3_PREFETCH_ELEMENTS)):
     """ModelStates of a rank holding `tensors` ([(numel, is_matrix)], rank_tensors) under DeepSpeed; `unused`
     elements get no gradient in backward (BF16_Optimizer then holds no bf16 gradient for them, ZeRO 1/2 a
     zero-filled one beside its flat partition).
@@ -114,13 +122,13 @@ def model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank=0, cpu_off
     if precision == "fp32" and zero_stage < 3 and _partition_is_one_tensor(groups[largest], dp, dp_rank):
         master_grad = 0
     # the gradient reduction bucket: reduce_bucket_size elements of w, allocated in every micro batch's backward
-    bucket = ZERO_BUCKET_ELEMENTS * w
+    bucket = buckets[0] * w
     optimizer = 0 if cpu_offload else 12 * partition + adam_steps
     if cpu_offload:
         master_grad = 0
     if zero_stage == 3:  # + the gathered weights of the module running (the largest: the word embedding) and
         shard = sum(-(-numel // dp) for numel, _ in tensors)  # the prefetch bucket
-        gathered = w * (max(numel for numel, _ in tensors) + ZERO3_PREFETCH_ELEMENTS)
+        gathered = w * (max(numel for numel, _ in tensors) + buckets[1])
         return ModelStates(w * shard, w * shard + master_grad, optimizer, w * shard, bucket + gathered)
     weights = w * sum(padded)
     # ZeRO 1 accumulates the micro batches' gradients in the weights' .grad and reduces them at the last one;
@@ -196,7 +204,7 @@ class StageMemory:
 
 def stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, precision, zero_stage,
                  checkpoint_activations, cpu_offload=False, cuda=True, attention=None,
-                 fused_cross_entropy=None, dp_rank=0):
+                 fused_cross_entropy=None, dp_rank=0, buckets=(ZERO_BUCKET_ELEMENTS, ZERO3_PREFETCH_ELEMENTS)):
     """StageMemory of one rank of `stage` for this layout (model: ModelConfig, vocab padded). attention and
     fused_cross_entropy default to what serves on CUDA (flex, the fused kernel) or on the CPU (torch's)."""
     attention = attention or ("flex" if cuda else "torch")
@@ -205,7 +213,7 @@ def stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, p
                         model.num_attention_heads, model.vocab_size)
     w = 4 if precision == "fp32" else 2
     tensors, unused = rank_tensors(model, tp, pp, stage)
-    states = model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank, cpu_offload, unused)
+    states = model_state_bytes(tensors, precision, zero_stage, dp, pp, dp_rank, cpu_offload, unused, buckets)
     layers = stage_layers(model.num_layers, pp)[stage]
     first, last = stage == 0, stage == pp - 1
     per_layer = layer_activation_bytes(b, s, h, f, a, tp, w, attention)
@@ -237,10 +245,11 @@ def stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, p
 
 def layout_memory(model, tp, pp, dp, micro_batch, gradient_accumulation, precision, zero_stage,
                   checkpoint_activations, cpu_offload=False, cuda=True, attention=None,
-                  fused_cross_entropy=None):
+                  fused_cross_entropy=None, buckets=(ZERO_BUCKET_ELEMENTS, ZERO3_PREFETCH_ELEMENTS)):
     """[StageMemory per pipeline stage] (TP and DP rank 0 of each)."""
     return [stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, precision, zero_stage,
-                         checkpoint_activations, cpu_offload, cuda, attention, fused_cross_entropy)
+                         checkpoint_activations, cpu_offload, cuda, attention, fused_cross_entropy,
+                         buckets=buckets)
             for stage in range(pp)]
 
 

@@ -100,10 +100,10 @@ def main(argv=None):
                                     ours.peak_tflops or spec["tflops"], ours.efficiency,
                                     speed.bandwidths_from(spec, ours.collectives_json), ours.memory_margin)
         args, user, vocab = _launch_line(rest)
-        own, _ = planner.resolve(args, ours.num_gpus, user, None, vocab, cuda_available=True)
+        own, own_ds = planner.resolve(args, ours.num_gpus, user, None, vocab, cuda_available=True)
     except ValueError as err:  # the launch line itself is refused: pretrain_bloom.py's message, once
         exit_before_distributed(str(err), 2)
-    own_plan = planner.evaluate(own, hardware)
+    own_plan = planner.evaluate(own, hardware, own_ds)
     plans, refused = planner.plan_all(args, user, hardware, own.training.global_batch_size, vocab)
     model = own.model
     print(f"model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
@@ -124,7 +124,7 @@ def main(argv=None):
     print(f"\nyour launch line: {own_plan.layout.short()}: predicted peak {own_plan.peak / memory.GIB:.2f} GiB "
           f"per GPU ({'fits' if own_plan.fits else 'DOES NOT FIT'}), {own_plan.time.tokens_per_second:,.0f} tokens/s")
     print("\n".join(stage_lines(own_plan)))
-    sentence = planner.recommendation(plans, hardware)
+    sentence = planner.recommendation(plans, hardware, own_plan)
     if fitting:
         print(f"recommended: {fitting[0].layout.short()}:")
         print("\n".join(stage_lines(fitting[0])))

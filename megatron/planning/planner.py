@@ -106,15 +106,16 @@ def resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size):
                    tokenizer_vocab_size, cuda_available=True)
 
 
-def evaluate(config, hardware):
-    """Plan of a resolved Config on this hardware."""
+def evaluate(config, hardware, ds_config=None):
+    """Plan of a resolved Config (and its DeepSpeed dict: ZeRO's bucket sizes) on this hardware."""
     par, training = config.parallel, config.training
     tp, pp, dp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size
     layout = Layout(tp, pp, dp, training.zero_stage, training.micro_batch_size, config.model.checkpoint_activations,
                     training.cpu_offload)
     stages = memory.layout_memory(config.model, tp, pp, dp, training.micro_batch_size,
                                   training.gradient_accumulation_steps, config.precision.name, training.zero_stage,
-                                  config.model.checkpoint_activations, training.cpu_offload, hardware.cuda)
+                                  config.model.checkpoint_activations, training.cpu_offload, hardware.cuda,
+                                  buckets=memory.zero_buckets(ds_config))
     rank_params = max(sum(n for n, _ in memory.rank_tensors(config.model, tp, pp, stage)[0]) for stage in range(pp))
     time = speed.step_time(config.model, tp, pp, dp, training.micro_batch_size, training.gradient_accumulation_steps,
                            config.precision.name, training.zero_stage, config.model.checkpoint_activations,
@@ -143,17 +144,32 @@ def plan_all(args, user_json, hardware, global_batch, tokenizer_vocab_size):
     plans, refused = [], {}
     for layout in candidates(hardware.num_gpus, global_batch):
         try:
-            config, _ = resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size)
+            config, ds_config = resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size)
         except ValueError as err:
             refused[str(err)] = refused.get(str(err), 0) + 1
             continue
-        plans.append(evaluate(config, hardware))
+        plans.append(evaluate(config, hardware, ds_config))
     plans.sort(key=lambda p: (not p.fits, -p.time.tokens_per_second if p.fits else p.peak, p.peak))
     return plans, refused
 
 
-def recommendation(plans, hardware) -> Optional[str]:
-    """One sentence on the fastest layout that fits (None when nothing fits)."""
+def why_slower(best, other):
+    """The part of `other`'s predicted step that grows most against `best`'s, in words."""
+    parts = {
+        "its tensor-parallel all-reduces": other.time.tp_comm - best.time.tp_comm,
+        "the pipeline bubble and sends": (other.time.bubble * other.time.seconds + other.time.pp_comm)
+        - (best.time.bubble * best.time.seconds + best.time.pp_comm),
+        "data-parallel gradient traffic": other.time.dp_comm - best.time.dp_comm,
+        "the CPU optimizer step": other.time.offload - best.time.offload,
+        "recomputing activations": other.time.compute - best.time.compute,
+    }
+    name, seconds = max(parts.items(), key=lambda kv: kv[1])
+    return f"{name} (+{seconds:.2f} s per step)" if seconds > 0 else "the same work, scheduled worse"
+
+
+def recommendation(plans, hardware, own=None) -> Optional[str]:
+    """One sentence on the fastest layout that fits, against the fastest one of other parallel sizes or ZeRO
+    stage and against the launch line's own (`own`, a Plan) when that is another layout (None: nothing fits)."""
     fitting = [p for p in plans if p.fits]
     if not fitting:
         return None
@@ -161,21 +177,20 @@ def recommendation(plans, hardware) -> Optional[str]:
     sentence = (f"Recommended: {best.layout.short()} ({best.layout.flags()}): predicted "
                 f"{best.peak / memory.GIB:.1f} of {hardware.gpu_memory_gib:g} GiB per GPU and "
                 f"{best.time.tokens_per_second:,.0f} tokens/s, the fastest of {len(fitting)} layouts that fit")
-    if len(fitting) > 1:
-        runner = fitting[1]
-        sentence += (f"; the next, {runner.layout.short()}, is {100 * (1 - runner.time.tokens_per_second / best.time.tokens_per_second):.0f}% "
-                     "slower")
-    reasons = []
-    if best.layout.pp > 1:
-        reasons.append(f"the pipeline bubble costs {100 * best.time.bubble:.0f}%")
-    if best.layout.tp > 1:
-        reasons.append(f"TP all-reduces take {best.time.tp_comm:.2f} s of the {best.time.seconds:.2f} s step")
-    if best.time.dp_comm > 0:
-        reasons.append(f"data-parallel gradient traffic {best.time.dp_comm:.2f} s")
-    return sentence + (" (" + "; ".join(reasons) + ")." if reasons else ".")
+    shape = (best.layout.tp, best.layout.pp, best.layout.zero_stage)
+    others = [p for p in fitting if (p.layout.tp, p.layout.pp, p.layout.zero_stage) != shape]
+    compared = [(others[0], "the fastest other layout")] if others else []
+    if own is not None and own.layout != best.layout:
+        compared.append((own, "your launch line"))
+    for plan, label in compared:
+        slower = 100 * (1 - plan.time.tokens_per_second / best.time.tokens_per_second)
+        verdict = f"{slower:.0f}% slower, mostly {why_slower(best, plan)}" if slower > 0.5 else "as fast"
+        fits = "" if plan.fits else f", and needs {plan.peak / memory.GIB:.1f} GiB"
+        sentence += f"; {label}, {plan.layout.short()}, is {verdict}{fits}"
+    return sentence + "."
 
 
-def best_fitting(config, gpu_memory_bytes, cuda=True):
+def best_fitting(config, gpu_memory_bytes, cuda=True, ds_config=None):
     """The fastest layout that fits on config's world size and model with GPUs of gpu_memory_bytes (published
     bandwidths of an H100-class host and the default efficiency: the ranking, not the figures, matters here),
     or None. For pretrain_bloom.py's warning and out-of-memory hint."""
@@ -195,7 +210,7 @@ def best_fitting(config, gpu_memory_bytes, cuda=True):
                                              cpu_offload=layout.cpu_offload, partition_activations=False))
         except ValueError:
             continue
-        plan = evaluate(candidate, hardware)
+        plan = evaluate(candidate, hardware, ds_config)
         if plan.fits and (best is None or plan.time.tokens_per_second > best.time.tokens_per_second):
             best = plan
     return best
