@@ -137,4 +137,8 @@ def main(argv=None):
         print(f"\nnothing fits in {hardware.gpu_memory_gib:g} GiB: more GPUs, a smaller model or a shorter sequence")
         sys.exit(1)
     print("\n" + sentence)
+    pinned = planner.pinned_json_keys(user, fitting[0].layout, own_plan.layout)
+    if pinned:
+        print(f"(to launch it, drop {', '.join(pinned)} from {args.deepspeed_config} or set them to match: the "
+              "flags and the JSON must agree)")
     return plans

@@ -87,6 +87,23 @@ def layout_free(user_json):
     return free
 
 
+def pinned_json_keys(user_json, best, own):
+    """The keys of the DeepSpeed JSON that pin a choice where layout `best` differs from `own` (flags for `best`
+    would contradict them)."""
+    user_json, zero = user_json or {}, (user_json or {}).get("zero_optimization", {})
+    differs = {"micro": best.micro_batch != own.micro_batch, "tp": best.tp != own.tp, "pp": best.pp != own.pp,
+               "zero": best.zero_stage != own.zero_stage, "offload": best.cpu_offload != own.cpu_offload,
+               "ckpt": best.checkpoint_activations != own.checkpoint_activations}
+    which = {"train_micro_batch_size_per_gpu": "micro", "gradient_accumulation_steps": "micro",
+             "micro_batch_size": "micro", "tensor_model_parallel_size": "tp", "model_parallel_size": "tp",
+             "pipeline_model_parallel_size": "pp", "pipe_parallel_size": "pp", "zero_stage": "zero",
+             "cpu_offload": "offload", "checkpoint_activations": "ckpt"}
+    keys = [k for k, choice in which.items() if k in user_json and differs[choice]]
+    keys += [f"zero_optimization.{k}" for k, choice in (("stage", "zero"), ("offload_optimizer", "offload"))
+             if k in zero and differs[choice]]
+    return keys
+
+
 def resolve(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available=True):
     """pretrain_bloom.py's resolve() (megatron.arguments), the one validation of a launch line."""
     from megatron.arguments import resolve as resolve_flags
