@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per configuration")
     p.add_argument("--grad-accum", type=int, default=2, help="micro batches per optimizer step")
     p.add_argument("--only", nargs="*", default=None, help="run only the configurations with these names")
+    p.add_argument("--time-budget", type=float, default=270.0,
+                   help="seconds after which the remaining configurations are skipped (and listed as such)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script runs (no figures)")
     return p.parse_args(argv)
 
@@ -107,6 +109,8 @@ def run_config(name, model_flags, micro, ckpt, zero, args):
                   activations_gib=stage.activations / GIB, transient_gib=stage.transient / GIB)
     if record["measured_gib"]:
         record["ratio"] = record["predicted_gib"] / record["measured_gib"]
+    if engine is not None and hasattr(engine, "destroy"):
+        engine.destroy()  # DeepSpeed's hooks and buffers
     del engine
     parallel_state.destroy_model_parallel()
     gc.collect()
@@ -129,12 +133,16 @@ def main(argv=None):
     setup_logging(log_level="warning")
     initialize_distributed(ParallelConfig(world_size=1, distributed_backend="nccl" if torch.cuda.is_available()
                                           else "gloo"))
-    records = []
+    records, skipped, start = [], [], time.perf_counter()
     for name, flags, micro, ckpt, zero in configs:
         if args.only and name not in args.only:
             continue
+        if time.perf_counter() - start > args.time_budget:
+            skipped.append(name)
+            continue
         record = run_config(name, flags, micro, ckpt, zero, args)
         records.append(record)
+        _write(args.output, device_name(), records, skipped)  # what is done survives a kill
         print(f"{name:24s} predicted {record['predicted_gib']:7.2f} GiB  measured "
               f"{record['measured_gib'] if record['measured_gib'] is None else round(record['measured_gib'], 2)}"
               f"  ({record['seconds']:.0f} s)", flush=True)
@@ -152,8 +160,21 @@ def main(argv=None):
     worst = max((abs(r["ratio"] - 1) for r in records if r.get("ratio")), default=None)
     if worst is not None:
         print(f"largest deviation: {100 * worst:.1f}%")
-    with open(args.output, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "records": records}, f,
+    if skipped:
+        print(f"skipped past --time-budget {args.time_budget:g} s: {', '.join(skipped)}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    _write(args.output, device, records, skipped)
+
+
+def device_name():
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _write(path, device, records, skipped):
+    import torch
+    with open(path, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "records": records, "skipped": skipped}, f,
                   indent=2)
 
 

@@ -25,10 +25,10 @@ def predicted_memory_line(config, cuda, ds_config=None):
             f"the fused loss{'' if cuda else '; this run is on the CPU'}); tools/plan_layout.py compares layouts"), worst.peak
 
 
-def suggestion(config, device_bytes, ds_config=None):
+def suggestion(config, device_bytes, ds_config=None, device_name=None):
     """'--flags ... (predicted X GiB, Y tokens/s relative)': the planner's fastest layout that fits, or a
     sentence saying none does."""
-    best = planner.best_fitting(config, device_bytes, ds_config=ds_config)
+    best = planner.best_fitting(config, device_bytes, ds_config=ds_config, device_name=device_name)
     if best is None:
         return (f"no layout of {config.parallel.world_size} GPUs fits this model and batch in "
                 f"{device_bytes / memory.GIB:.1f} GiB per GPU by the planner's prediction: use more GPUs or a "
@@ -46,10 +46,11 @@ def check_before_build(config, ds_config, state, cuda):
     logger.info("%s", line)
     if cuda:
         import torch
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        if peak > total:
+        prop = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if peak > prop.total_memory:
             logger.warning("the predicted peak memory per GPU, %.2f GiB, exceeds this GPU's %.2f GiB: %s",
-                           peak / memory.GIB, total / memory.GIB, suggestion(config, total, ds_config))
+                           peak / memory.GIB, prop.total_memory / memory.GIB,
+                           suggestion(config, prop.total_memory, ds_config, prop.name))
     return peak
 
 
@@ -57,7 +58,7 @@ def oom_suggestion(config):
     """The sentence the out-of-memory hint adds (needs CUDA: the device's memory)."""
     import torch
     try:
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        prop = torch.cuda.get_device_properties(torch.cuda.current_device())
     except (RuntimeError, AssertionError):
         return ""
-    return "; " + suggestion(config, total)
+    return "; " + suggestion(config, prop.total_memory, device_name=prop.name)

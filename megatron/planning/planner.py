@@ -207,11 +207,11 @@ def recommendation(plans, hardware, own=None) -> Optional[str]:
     return sentence + "."
 
 
-def best_fitting(config, gpu_memory_bytes, cuda=True, ds_config=None):
-    """The fastest layout that fits on config's world size and model with GPUs of gpu_memory_bytes (published
-    bandwidths of an H100-class host and the default efficiency: the ranking, not the figures, matters here),
-    or None. For pretrain_bloom.py's warning and out-of-memory hint."""
-    spec = speed.GPUS["h100"]
+def best_fitting(config, gpu_memory_bytes, cuda=True, ds_config=None, device_name=None):
+    """The fastest layout that fits on config's world size and model with GPUs of gpu_memory_bytes (the published
+    figures of the GPU kind device_name names, H100's by default, and the default efficiency), or None. For
+    pretrain_bloom.py's warning and out-of-memory hint."""
+    spec = speed.spec_for_device(device_name)
     hardware = Hardware(config.parallel.world_size, gpu_memory_bytes / memory.GIB, spec["tflops"],
                         speed.DEFAULT_EFFICIENCY, speed.bandwidths_from(spec), cuda=cuda)
     best = None

@@ -47,6 +47,15 @@ def gpu_spec(kind):
     return GPUS[key]
 
 
+def spec_for_device(device_name):
+    """The GPUS entry whose name matches a torch.cuda.get_device_name() (H100's when none does)."""
+    lower = (device_name or "").lower()
+    for key in ("3090", "4090", "a100", "h100", "h200"):
+        if key in lower:
+            return GPUS[key if key.startswith(("a", "h")) else "rtx" + key]
+    return GPUS["h100"]
+
+
 def bandwidths_from(spec, collectives_json=None):
     """Bandwidths of the GPU kind's published figures, or the largest-message busbw of each collective in a
     tools/check_environment.py --collectives JSON file."""

@@ -100,3 +100,25 @@ def test_tool_prints_table_and_recommendation(capsys):
     assert "peak GiB" in out and "DOES NOT FIT" in out  # the launch line's ZeRO 0 at micro batch 1
     assert f"Recommended: {plans[0].layout.short()}" in out
     assert "stage 0: 24 layers, word embedding + tied LM head and loss" in out
+
+
+def test_pretrain_advice_names_the_planners_best_layout(caplog):
+    """pretrain_bloom.py's memory line and warning text: the launch line's predicted peak, and for a smaller
+    device the fastest layout of the same GPU count that fits (the planner's own ranking on published figures)."""
+    from megatron.arguments import resolve
+    from megatron.planning import advice
+    config, ds = resolve(parse_args(DOC), 4, None, None, None)  # DP 4, ZeRO 0, micro batch 1: 32 GiB
+    line, peak = advice.predicted_memory_line(config, cuda=False, ds_config=ds)
+    stage = memory.layout_memory(config.model, 1, 1, 4, 1, 64, "bf16", 0, False)[0]
+    assert peak == stage.peak
+    assert line.startswith(f"predicted peak memory per GPU: {stage.peak / memory.GIB:.2f} GiB = weights")
+    device = 24 * memory.GIB
+    best = planner.best_fitting(config, device, ds_config=ds)
+    hardware = planner.Hardware(4, 24, speed.GPUS["h100"]["tflops"], speed.DEFAULT_EFFICIENCY,
+                                speed.bandwidths_from(speed.GPUS["h100"]))
+    plans, _ = planner.plan_all(parse_args(DOC), {}, hardware, 256, None)
+    assert best.layout == [p for p in plans if p.fits][0].layout
+    assert advice.suggestion(config, device, ds) == (
+        f"the planner's best layout that fits is {best.layout.flags()} (predicted {best.peak / memory.GIB:.1f} GiB "
+        "per GPU); see tools/plan_layout.py")
+    assert "no layout of 4 GPUs fits" in advice.suggestion(config, 2 * memory.GIB, ds)
