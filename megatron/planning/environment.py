@@ -120,22 +120,23 @@ def check_fused_kernels():
     rows = []
 
     def compare(name, got, want, tol):
-        err = (got.float() - want.float()).abs().max().item()
+        """max |kernel - torch| relative to max(1, max |torch|): bf16 outputs differ by output rounding only."""
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1.0)).item()
         rows.append((f"kernel {name}", OK if err <= tol else FAIL,
-                     f"max |kernel - torch| = {err:.2e} (tolerance {tol:g})"))
+                     f"max |kernel - torch| / max(1, |torch|) = {err:.1e} (tolerance {tol:g})"))
 
     scores = torch.randn(2, 4, 256, 256, device="cuda", generator=gen).bfloat16()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
     compare("ALiBi causal softmax", fused_kernels.alibi_causal_softmax(scores, slopes, 0.125),
-            fused_kernels.alibi_causal_softmax_reference(scores, slopes, 0.125), 1e-2)
+            fused_kernels.alibi_causal_softmax_reference(scores, slopes, 0.125), 1.6e-2)
     x = torch.randn(512, 1024, device="cuda", generator=gen).bfloat16()
     weight, bias = torch.randn(1024, device="cuda", generator=gen), torch.randn(1024, device="cuda", generator=gen)
     compare("LayerNorm", fused_kernels.mixed_layer_norm(x, (1024,), weight, bias),
-            fused_kernels.mixed_layer_norm_reference(x, (1024,), weight, bias), 5e-2)
+            fused_kernels.mixed_layer_norm_reference(x, (1024,), weight, bias), 1.6e-2)
     logits = torch.randn(512, 4096, device="cuda", generator=gen).bfloat16()
     target = torch.randint(0, 4096, (512,), device="cuda", generator=gen)
     compare("cross entropy", sliced_cross_entropy(logits, target, ops=kernel_module_or_fallback(None)),
-            cross_entropy_reference(logits, target), 1e-3)
+            cross_entropy_reference(logits, target), 1e-4)
     return rows
 
 
