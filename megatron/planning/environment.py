@@ -127,16 +127,23 @@ def check_fused_kernels():
 
     scores = torch.randn(2, 4, 256, 256, device="cuda", generator=gen).bfloat16()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
-    compare("ALiBi causal softmax", fused_kernels.alibi_causal_softmax(scores, slopes, 0.125),
-            fused_kernels.alibi_causal_softmax_reference(scores, slopes, 0.125), 1.6e-2)
     x = torch.randn(512, 1024, device="cuda", generator=gen).bfloat16()
     weight, bias = torch.randn(1024, device="cuda", generator=gen), torch.randn(1024, device="cuda", generator=gen)
-    compare("LayerNorm", fused_kernels.mixed_layer_norm(x, (1024,), weight, bias),
-            fused_kernels.mixed_layer_norm_reference(x, (1024,), weight, bias), 1.6e-2)
     logits = torch.randn(512, 4096, device="cuda", generator=gen).bfloat16()
     target = torch.randint(0, 4096, (512,), device="cuda", generator=gen)
-    compare("cross entropy", sliced_cross_entropy(logits, target, ops=kernel_module_or_fallback(None)),
-            cross_entropy_reference(logits, target), 1e-4)
+    cases = [
+        ("ALiBi causal softmax", lambda: fused_kernels.alibi_causal_softmax(scores, slopes, 0.125),
+         lambda: fused_kernels.alibi_causal_softmax_reference(scores, slopes, 0.125), 1.6e-2),
+        ("LayerNorm", lambda: fused_kernels.mixed_layer_norm(x, (1024,), weight, bias),
+         lambda: fused_kernels.mixed_layer_norm_reference(x, (1024,), weight, bias), 1.6e-2),
+        ("cross entropy", lambda: sliced_cross_entropy(logits, target, ops=kernel_module_or_fallback(None)),
+         lambda: cross_entropy_reference(logits, target), 1e-4),
+    ]
+    for name, kernel, reference, tol in cases:
+        try:
+            compare(name, kernel(), reference(), tol)
+        except RuntimeError as err:  # a kernel that launches but fails (wrong arch, ...)
+            rows.append((f"kernel {name}", FAIL, f"raised {str(err).splitlines()[0][:200]}"))
     return rows
 
 
