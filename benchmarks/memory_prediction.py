@@ -131,6 +131,12 @@ def main(argv=None):
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/memory_prediction.py needs a CUDA GPU (--smoke runs a tiny model on the CPU)")
     setup_logging(log_level="warning")
+    # Each (shape, grad mode) compiles FlexAttention once; ten configurations need more than dynamo's default 8
+    # recompilations, past which it would run flex unfused (materialising the scores) and spoil the figures.
+    import torch._dynamo
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
     initialize_distributed(ParallelConfig(world_size=1, distributed_backend="nccl" if torch.cuda.is_available()
                                           else "gloo"))
     records, skipped, start = [], [], time.perf_counter()
