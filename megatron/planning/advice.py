@@ -38,12 +38,12 @@ def suggestion(config, device_bytes, ds_config=None, device_name=None):
 
 
 def check_before_build(config, ds_config, state, cuda):
-    """Rank 0 logs the predicted peak; on CUDA, when it exceeds the device's memory, one warning with the
-    planner's suggestion. Returns the predicted peak in bytes."""
+    """Rank 0 logs the predicted peak (on the CPU only at debug level: it is a GPU figure); on CUDA, when it
+    exceeds the device's memory, one warning with the planner's suggestion. Returns the predicted peak in bytes."""
     line, peak = predicted_memory_line(config, cuda, ds_config)
     if state.rank != 0:
         return peak
-    logger.info("%s", line)
+    logger.log(logging.INFO if cuda else logging.DEBUG, "%s", line)
     if cuda:
         import torch
         prop = torch.cuda.get_device_properties(torch.cuda.current_device())
