@@ -122,3 +122,16 @@ def test_pretrain_advice_names_the_planners_best_layout(caplog):
         f"the planner's best layout that fits is {best.layout.flags()} (predicted {best.peak / memory.GIB:.1f} GiB "
         "per GPU); see tools/plan_layout.py")
     assert "no layout of 4 GPUs fits" in advice.suggestion(config, 2 * memory.GIB, ds)
+
+
+def test_pretrain_logs_the_predicted_peak_at_debug_on_cpu(caplog):
+    import logging
+    import types
+    from megatron.arguments import resolve
+    from megatron.planning import advice
+    config, ds = resolve(parse_args(DOC), 4, None, None, None)
+    with caplog.at_level(logging.DEBUG, logger="megatron.planning"):
+        peak = advice.check_before_build(config, ds, types.SimpleNamespace(rank=0), cuda=False)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.DEBUG, advice.predicted_memory_line(config, False, ds)[0])]
+    assert peak == advice.predicted_memory_line(config, False, ds)[1]
