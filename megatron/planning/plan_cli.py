@@ -28,7 +28,8 @@ def build_parser():
                    help="bandwidths measured by tools/check_environment.py --collectives --json FILE")
     g.add_argument("--memory-margin", type=float, default=0.1,
                    help="share of --gpu-memory-gib kept free for the CUDA context and fragmentation")
-    g.add_argument("--top", type=int, default=15, help="rows of the table (what fits first)")
+    g.add_argument("--top", type=int, default=15,
+                   help="rows of layouts that fit (0: all); the 3 closest that do not follow")
     g.add_argument("--show-refused", action="store_true", help="list every refused combination's reason")
     g.add_argument("--json", default=None, help="write every plan as JSON here")
     return p
@@ -60,12 +61,15 @@ def _launch_line(rest):
     return args, user, vocab
 
 
-def format_table(plans, hardware, top):
+def format_table(plans, hardware, top, closest=3):
+    """The `top` fastest layouts that fit (all with top 0), then the `closest` that do not (smallest peak)."""
     head = (f"{'TP':>2} {'PP':>2} {'DP':>2} {'ZeRO':>4} {'micro':>5} {'GAS':>4} {'ckpt':>4} {'offl':>4} "
             f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buffers':>7} {'peak GiB':>8} {'fits':>4} "
             f"{'step s':>7} {'bubble':>6} {'tokens/s':>9}")
     lines = [head]
-    for plan in plans[:top]:
+    fitting = [p for p in plans if p.fits]
+    shown = (fitting[:top] if top else fitting) + [p for p in plans if not p.fits][:closest]
+    for plan in shown:
         worst = max(plan.stages, key=lambda s: s.peak)
         st, lay = worst.states, plan.layout
         lines.append(
