@@ -12,6 +12,7 @@ the order above), so views of one flat buffer are not counted twice.
 """
 import gc
 import json
+import os
 import sys
 import time
 
@@ -137,13 +138,12 @@ def run_layout(flags):
 
 
 def main():
-    from megatron.initialize import deepspeed_output, setup_logging
-    import deepspeed
+    from megatron.config import ParallelConfig
+    from megatron.initialize import initialize_distributed, setup_logging, shutdown_distributed
     setup_logging(log_level="warning")
     out_path, layouts = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
-    with deepspeed_output():
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    initialize_distributed(ParallelConfig(world_size=int(os.environ["WORLD_SIZE"])))  # pretrain_bloom.py's
     results = {}
     for flags in layouts:
         start = time.perf_counter()
@@ -157,7 +157,7 @@ def main():
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
