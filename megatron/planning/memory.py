@@ -148,9 +148,9 @@ def layer_activation_bytes(b, s, h, f, a, tp, w, attention="flex"):
         input LayerNorm: its input x and fp32 mean, rstd (b s each)        b s h w + 8 b s
         QKV linear: its input (the LayerNorm output)                        b s h w
         attention: q, k, v (views of the QKV output)                        3 b s h/t w
-                   flex: its output and fp32 logsumexp (b a/t s)            b s h/t w + 4 b s a/t
-                   sdpa/torch (CPU, reference): the (b, a/t, s, s) scores   see attention_bytes
-        dense linear: its input (the context, made contiguous)              b s h/t w
+                   flex: fp32 logsumexp (b a/t s)                           4 b s a/t
+                   torch (CPU, reference): the (b, a/t, s, s) scores        see attention_bytes
+        dense linear: its input (the context; flex: a view of its output)   b s h/t w
         post-attention LayerNorm: input, fp32 mean, rstd                    b s h w + 8 b s
         h -> 4h linear: its input                                           b s h w
         GeLU: its input; 4h -> h linear: its input                          2 b s f/t w
@@ -162,12 +162,15 @@ def layer_activation_bytes(b, s, h, f, a, tp, w, attention="flex"):
 
 
 def attention_bytes(b, s, h, a, tp, w, attention):
-    """What the attention backend saves beyond q, k, v: FlexAttention (CUDA) its output and fp32 logsumexp
-    (b, a/t, s); the torch reference (CPU) the fp32 softmax of the (b, a/t, s, s) scores and, below fp32, its
-    cast to w that the second matmul saves."""
+    """What the attention backend saves beyond q, k, v and the context the dense layer saves:
+    FlexAttention (CUDA) its fp32 logsumexp (b, a/t, s); its output is laid out like the query (b, s, a/t, d), so
+    the context's transpose and reshape are views of it and the dense layer's saved input is that same storage
+    (H200: this accounts for 24 x b s h w of the 1.72B model exactly). The torch reference (CPU) saves the fp32
+    softmax of the (b, a/t, s, s) scores and, below fp32, its cast to w for the second matmul; its output is
+    contiguous (b, a/t, s, d), so the context is a copy (the one counted in the layer)."""
     heads = a // tp
     if attention == "flex":
-        return b * s * h // tp * w + 4 * b * heads * s
+        return 4 * b * heads * s
     if attention == "torch":
         return b * heads * s * s * (4 + (w if w != 4 else 0))
     raise ValueError(f"attention backend {attention!r} has no activation model (flex, torch)")
@@ -198,8 +201,8 @@ class StageMemory:
     layers: int
     holds_embedding: bool
     states: ModelStates
-    activations: int
-    transient: int  # the largest short-lived buffer on top of the activations (logits' gradient GEMMs, ...)
+    activations: int  # saved by forward, logits included
+    transient: int  # the most backward adds on top of them (the head's GEMMs, a recomputed layer, ...)
     peak: int
 
     @property
@@ -223,24 +226,23 @@ def stage_memory(model, tp, pp, dp, stage, micro_batch, gradient_accumulation, p
     first, last = stage == 0, stage == pp - 1
     per_layer = layer_activation_bytes(b, s, h, f, a, tp, w, attention)
     hidden = b * s * h * w
-    if checkpoint_activations:
-        saved = layers * hidden + per_layer  # each layer's input, and one layer recomputed in backward
-    else:
-        saved = layers * per_layer
+    saved = layers * (hidden if checkpoint_activations else per_layer)  # checkpointing keeps each layer's input
     if first:
         saved += embedding_activation_bytes(b, s, h, w, model.embed_layernorm)
     in_flight = min(pp - stage, gradient_accumulation) if pp > 1 else 1
-    activations = saved * in_flight
+    activations = saved * in_flight  # what forward saves: the micro batches in flight on this stage
     if pp > 1:
         activations += 2 * max(2, in_flight) * hidden  # the pipeline's input/output buffers
     head = head_activation_bytes(b, s, h, v, tp, w, fused_cross_entropy) if last else 0
-    # the loss's forward: torch's cross entropy makes an fp32 copy of the logits beside its log-softmax; backward
-    # of the tied head: the embedding's gradient GEMM writes a new (V/t, h) tensor that is added into the held
-    # gradient while the logits' gradient is still alive
-    transient = hidden
-    if last:
-        transient += (0 if fused_cross_entropy else b * s * v // tp * 4) + (
-            v // tp * h * w if gradient_accumulation > 1 else 0)
+    # On top of that, the largest of: the loss and head at the start of backward (torch's cross entropy makes an
+    # fp32 copy of the logits beside its log-softmax; the tied embedding's gradient GEMM writes a new (V/t, h)
+    # tensor, added into the held gradient, while the logits' gradient is alive); a layer's backward (the
+    # gradients of its 4h activations), which with checkpointing first recomputes the layer's activations, once
+    # the head's are gone.
+    head_transient = hidden + ((0 if fused_cross_entropy else b * s * v // tp * 4) + (
+        v // tp * h * w if gradient_accumulation > 1 else 0) if last else 0)
+    layer_transient = 2 * b * s * (f // tp) * w + (per_layer - head if checkpoint_activations else 0)
+    transient = max(head_transient, layer_transient)
     forward_backward = (states.weights + states.accumulating_gradients + states.optimizer + states.comm_buffers
                         + activations + head + transient)
     # the reduction bucket is released when backward's last reduction is done, before the step
