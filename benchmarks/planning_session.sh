@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 start=$(date +%s)
-timeout 120 python3 tools/check_environment.py --save /tmp/ckpt_check 2>&1 | tee "$OUT/check_environment.txt"
+timeout 240 python3 tools/check_environment.py --save /tmp/ckpt_check 2>&1 | tee "$OUT/check_environment.txt"
 echo "== check_environment: $(( $(date +%s) - start )) s (rc ${PIPESTATUS[0]})"
 start=$(date +%s)
 timeout 60 torchrun --nproc_per_node "$gpus" tools/check_environment.py --collectives --max-bytes 256M \
