@@ -100,6 +100,13 @@ def main(argv=None):
         spec = speed.gpu_spec(ours.gpu)
         if ours.num_gpus < 1:
             raise ValueError(f"--num-gpus {ours.num_gpus} must be positive")
+        if ours.gpu_memory_gib is not None and ours.gpu_memory_gib <= 0:
+            raise ValueError(f"--gpu-memory-gib {ours.gpu_memory_gib:g} must be positive (24 for an RTX 3090)")
+        if not 0 < ours.efficiency <= 1:
+            raise ValueError(f"--efficiency {ours.efficiency:g} is a share of the peak: pass a value in (0, 1], "
+                             "e.g. 0.5")
+        if not 0 <= ours.memory_margin < 1:
+            raise ValueError(f"--memory-margin {ours.memory_margin:g} must be in [0, 1), e.g. 0.1")
         hardware = planner.Hardware(ours.num_gpus, ours.gpu_memory_gib or spec["memory_gib"],
                                     ours.peak_tflops or spec["tflops"], ours.efficiency,
                                     speed.bandwidths_from(spec, ours.collectives_json), ours.memory_margin)
