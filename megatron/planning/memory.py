@@ -20,7 +20,17 @@ Model states by DeepSpeed wrapper (bytes of one rank, measured at the optimizer 
 G0 is the largest parameter group (the weight matrices, which decay): ZeRO steps one group at a time and makes
 its fp32 gradient partition only then (for fp32 weights it is a view, no copy, when this rank's partition of the
 group is one whole tensor). Flat ZeRO buffers are padded to a multiple of 2 x dp elements per group; ZeRO 3
-partitions each tensor to ceil(numel / dp).
+partitions each tensor to ceil(numel / dp). The last pipeline stage's copy of the embedding LayerNorm gets no
+gradient (its forward skips it).
+
+The peak of a rank is the larger of
+    forward/backward: weights + gradients being accumulated + optimizer + ZeRO's reduction bucket (reduce_bucket_size
+        elements of w, made in every backward; ZeRO 3 also its gathered weights and prefetch bucket) + what forward
+        saves for the micro batches in flight + the most backward adds on top (the head's GEMMs, a recomputed layer)
+    the optimizer step: weights + the gradients above + optimizer, and with ZeRO 1/2 below fp32 a flat copy of the
+        group's gradient partition, alive beside its fp32 cast for a moment.
+On one H200 this model gives the measured torch.cuda.max_memory_allocated of the 1.72B model within 0.2%
+(benchmarks/results/h200_memory_prediction_2026-12-03.md).
 """
 import dataclasses
 
