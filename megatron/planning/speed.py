@@ -61,20 +61,24 @@ def bandwidths_from(spec, collectives_json=None):
     tools/check_environment.py --collectives JSON file."""
     if collectives_json is None:
         return Bandwidths(spec["busbw"], spec["busbw"], spec["busbw"], spec["p2p"], f"published ({spec['name']})")
+    rerun = "rerun tools/check_environment.py --collectives --json FILE under torchrun --nproc_per_node N (N >= 2)"
     try:
         with open(collectives_json) as f:
             data = json.load(f)
+        ranks = data["world_size"]
         best = {}
         for row in data["results"]:
-            if row.get("ok") and row["busbw_gbps"] > 0:
-                if row["bytes"] >= best.get(row["op"], (0, 0))[0]:
-                    best[row["op"]] = (row["bytes"], row["busbw_gbps"])
+            if row["ok"] and row["bytes"] >= best.get(row["op"], (0, 0.0))[0]:
+                best[row["op"]] = (row["bytes"], float(row["busbw_gbps"]))
         values = {op: best[op][1] for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"--collectives-json {collectives_json}: not a tools/check_environment.py --collectives "
-                         f"JSON with all_reduce, all_gather, reduce_scatter and p2p results ({err}); rerun it with "
-                         "--json") from None
-    return Bandwidths(source=f"measured ({collectives_json}, {data.get('world_size', '?')} ranks)", **values)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--collectives-json {collectives_json}: not a tools/check_environment.py --collectives JSON "
+                         f"with all_reduce, all_gather, reduce_scatter and p2p results ({type(err).__name__}: {err}); "
+                         f"{rerun}") from None
+    if ranks < 2:
+        raise ValueError(f"--collectives-json {collectives_json} was measured by one process, which moves nothing "
+                         f"between GPUs; {rerun}")
+    return Bandwidths(source=f"measured ({collectives_json}, {ranks} ranks)", **values)
 
 
 @dataclasses.dataclass(frozen=True)

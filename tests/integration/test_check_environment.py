@@ -75,6 +75,12 @@ def test_collectives_bandwidths_and_values(tmp_path):
     for r in rows:
         assert r["ok"] and r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor[r["op"]])
+    # the planner reads it: each collective's bus bandwidth at the largest message
+    from megatron.planning import speed
+    bw = speed.bandwidths_from(speed.gpu_spec("rtx3090"), str(out))
+    largest = {r["op"]: r["busbw_gbps"] for r in rows if r["bytes"] == 1 << 20}
+    assert (bw.all_reduce, bw.all_gather, bw.reduce_scatter, bw.p2p) == (
+        largest["all_reduce"], largest["all_gather"], largest["reduce_scatter"], largest["p2p"])
 
 
 def test_broken_collectives_are_named_not_hung():

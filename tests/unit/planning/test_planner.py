@@ -89,8 +89,11 @@ def test_measured_bandwidths_replace_the_published_ones(tmp_path):
     path.write_text(json.dumps({"world_size": 4, "backend": "nccl", "results": rows}))
     bw = speed.bandwidths_from(speed.gpu_spec("rtx3090"), str(path))
     assert (bw.all_reduce, bw.all_gather, bw.reduce_scatter, bw.p2p) == (20.0, 30.0, 40.0, 50.0)
+    path.write_text(json.dumps({"world_size": 1, "backend": "nccl", "results": rows}))
+    with pytest.raises(ValueError, match="was measured by one process, which moves nothing between GPUs"):
+        speed.bandwidths_from(speed.gpu_spec("rtx3090"), str(path))
     path.write_text("{}")
-    with pytest.raises(ValueError, match="--collectives-json"):
+    with pytest.raises(ValueError, match="--collectives-json .*: not a tools/check_environment.py --collectives JSON"):
         speed.bandwidths_from(speed.gpu_spec("rtx3090"), str(path))
 
 
