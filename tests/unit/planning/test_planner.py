@@ -138,3 +138,32 @@ def test_pretrain_logs_the_predicted_peak_at_debug_on_cpu(caplog):
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.DEBUG, advice.predicted_memory_line(config, False, ds)[0])]
     assert peak == advice.predicted_memory_line(config, False, ds)[1]
+
+
+def test_warning_once_on_rank_0_and_the_oom_suggestion(caplog, monkeypatch):
+    """On a 24 GiB GPU (device properties stubbed: this machine has none) the 32 GiB launch line gets one warning
+    on rank 0 naming the planner's best layout for an RTX 3090; the out-of-memory hint ends with the same."""
+    import logging
+    import types
+    import torch
+    from megatron.arguments import resolve
+    from megatron.planning import advice
+    from megatron.training.trainer import OOM_HINT
+    prop = types.SimpleNamespace(total_memory=24 * memory.GIB, name="NVIDIA GeForce RTX 3090")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: prop)
+    config, ds = resolve(parse_args(DOC), 4, None, None, None)
+    expected = advice.suggestion(config, prop.total_memory, ds, prop.name)
+    assert expected.startswith("the planner's best layout that fits is --tensor-model-parallel-size 1 "
+                               "--pipeline-model-parallel-size 1 --zero-stage 1")
+    with caplog.at_level(logging.INFO, logger="megatron.planning"):
+        advice.check_before_build(config, ds, types.SimpleNamespace(rank=1), cuda=True)
+        assert caplog.records == []
+        advice.check_before_build(config, ds, types.SimpleNamespace(rank=0), cuda=True)
+    line, peak = advice.predicted_memory_line(config, True, ds)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, line),
+        (logging.WARNING, f"the predicted peak memory per GPU, {peak / memory.GIB:.2f} GiB, exceeds this GPU's "
+                          f"24.00 GiB: {expected}")]
+    assert OOM_HINT + advice.oom_suggestion(config) == OOM_HINT + "; " + advice.suggestion(
+        config, prop.total_memory, None, prop.name)
