@@ -10,7 +10,8 @@ from megatron.planning import collectives, environment
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Is this machine ready to train? Versions, GPUs, /dev/shm, the --save "
+    from megatron.arguments import ArgumentParser  # one-line errors, printed once per job
+    p = ArgumentParser(description="Is this machine ready to train? Versions, GPUs, /dev/shm, the --save "
                                 "folder, fused kernels, gloo; with --collectives (under torchrun or deepspeed) "
                                 "NCCL/gloo bandwidths.", allow_abbrev=False)
     p.add_argument("--save", default=None, help="checkpoint folder of the run: free space and write speed")

@@ -3,7 +3,6 @@ every valid layout with predicted memory and speed, and a recommendation.
 
     python tools/plan_layout.py --num-gpus 4 --gpu-memory-gib 24 --gpu rtx3090 <pretrain_bloom.py flags>
 """
-import argparse
 import dataclasses
 import json
 import sys
@@ -14,7 +13,8 @@ _FILLERS = (("--lr", "1e-4"), ("--train-iters", "1"))  # required by pretrain_bl
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    from megatron.arguments import ArgumentParser  # one-line errors, printed once per job
+    p = ArgumentParser(
         description="Which TP x PP x DP x ZeRO x micro batch layout fits these GPUs, and which is fastest. "
                     "Every other flag is pretrain_bloom.py's (paste the launch line).", allow_abbrev=False)
     g = p.add_argument_group("hardware")
