@@ -29,8 +29,9 @@ The peak of a rank is the larger of
         saves for the micro batches in flight + the most backward adds on top (the head's GEMMs, a recomputed layer)
     the optimizer step: weights + the gradients above + optimizer, and with ZeRO 1/2 below fp32 a flat copy of the
         group's gradient partition, alive beside its fp32 cast for a moment.
-On one H200 this model gives the measured torch.cuda.max_memory_allocated of the 1.72B model within 0.2%
-(benchmarks/results/h200_memory_prediction_2026-12-03.md).
+On one H200 the first run's measured torch.cuda.max_memory_allocated of the 1.72B model is within 0.2% of this
+model, after the corrections that run prompted (benchmarks/results/h200_memory_prediction_2026-12-03.md); a
+second run is the check.
 """
 import dataclasses
 
