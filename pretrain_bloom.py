@@ -42,6 +42,9 @@ def main(argv=None, callbacks=()):
     except RuntimeError as err:  # --abort-on-unmet-fused-kernel-constraints and the kernels cannot serve
         exit_after_error(err, 1)
     set_random_seeds(config.model.seed, state)
+    from megatron.planning.advice import check_before_build
+    import torch
+    check_before_build(config, ds_config, state, torch.cuda.is_available())  # the predicted peak; a warning if over
     with deepspeed_output():  # its prints (topology, memory dumps) only with --log-level debug
         engine, scheduler = setup_engine(config, ds_config, state)
     try:

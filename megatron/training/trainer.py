@@ -318,7 +318,8 @@ class Trainer:
                               on_phase=lambda phase: self.callbacks("on_phase", self, iteration, phase),
                               clock=self.clock)
         except torch.cuda.OutOfMemoryError as err:
-            raise RuntimeError(OOM_HINT) from err
+            from megatron.planning.advice import oom_suggestion
+            raise RuntimeError(OOM_HINT + oom_suggestion(self.config)) from err
         if self.config.upstream.sync_tp_duplicated_parameters:
             from megatron.upstream_compat import sync_tp_duplicated_parameters
             sync_tp_duplicated_parameters(engine, self.state.tp_group)

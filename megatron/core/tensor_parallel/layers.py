@@ -37,7 +37,8 @@ def _init_split_weight(full_shape, partition_dim, world, rank, init_method, dtyp
     """Initialises the full weight in fp32 with init_method and returns this rank's slice as a Parameter."""
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
-    local = master.chunk(world, dim=partition_dim)[rank].to(dtype).contiguous()
+    # a copy: a chunk along dim 0 is a view that would keep the whole master weight alive on every TP rank
+    local = master.chunk(world, dim=partition_dim)[rank].to(dtype, copy=True).contiguous()
     weight = nn.Parameter(local)
     set_tensor_model_parallel_attributes(weight, world > 1, partition_dim)
     return weight
