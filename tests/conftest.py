@@ -66,3 +66,19 @@ def bf16_zero1_source(tmp_path_factory, sample_data):
     run_pretrain(args(sample_data, out, "--bf16", "--zero-stage", "1", "--exit-interval", "14", "--save",
                       str(out / "ckpt"), "--save-interval", "10"), 2)
     return out
+
+
+@pytest.fixture
+def isolated_logging():
+    """For a test that runs a tool's main() in this process: main() calls setup_logging, whose
+    logging.basicConfig(force=True) binds a handler to the test's captured stderr (closed after the test) and
+    which edits the DeepSpeed logger's filters and warnings.filters. All of it is put back afterwards, so later
+    tests' log records neither go to a closed stream nor lose their capture."""
+    import logging
+    import warnings
+    root, ds_logger = logging.getLogger(), logging.getLogger("DeepSpeed")
+    saved = (root.handlers[:], root.level, ds_logger.filters[:], warnings.filters[:])
+    yield
+    root.handlers[:], ds_logger.filters[:], warnings.filters[:] = saved[0], saved[2], saved[3]
+    root.setLevel(saved[1])
+

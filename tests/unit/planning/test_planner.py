@@ -97,7 +97,7 @@ def test_measured_bandwidths_replace_the_published_ones(tmp_path):
         speed.bandwidths_from(speed.gpu_spec("rtx3090"), str(path))
 
 
-def test_tool_prints_table_and_recommendation(capsys):
+def test_tool_prints_table_and_recommendation(capsys, isolated_logging):
     plans = plan_cli.main(["--num-gpus", "4", "--gpu-memory-gib", "24", "--gpu", "rtx3090", *DOC])
     out = capsys.readouterr().out
     assert "peak GiB" in out and "DOES NOT FIT" in out  # the launch line's ZeRO 0 at micro batch 1
