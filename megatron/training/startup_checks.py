@@ -6,12 +6,19 @@ DeepSpeed traceback) stop the run with one line naming the flag, the value and t
 
 - The data's largest token id against the tokenizer's vocabulary and the model's padded vocabulary
   (largest_token_id: numpy's max over the .bin's memory map, or evenly spaced samples of it past
-  FULL_SCAN_BYTES, which the message then says).
+  FULL_SCAN_BYTES, which the message then says). Every process of a launch runs this before any process group
+  exists, so the scan is done once per node and file version: the processes of a node take turns on a lock in the
+  node's temporary folder, the first scans and records the result there, the others read it
+  (cached_largest_token_id).
 - The model-shape flags against the model section of the --load checkpoint's config.json.
 - --fp16 on a CPU whose DeepSpeed accelerator does not support it.
 """
+import fcntl
+import hashlib
+import json
 import logging
 import os
+import tempfile
 
 import numpy as np
 
@@ -44,22 +51,55 @@ def largest_token_id(prefix, full_scan_bytes=FULL_SCAN_BYTES, blocks=SAMPLE_BLOC
     return int(max(tokens[s:s + per_block].max() for s in starts)), False
 
 
-def check_data_vocabulary(prefixes, tokenizer_vocab_size, padded_vocab_size, tokenizer_flag):
+def cached_largest_token_id(prefix, cache_dir=None, scan=largest_token_id):
+    """largest_token_id(prefix), scanned once per node and version of the .bin: the result is kept in cache_dir
+    (default: the node's temporary folder, so no shared file system is assumed) under a name from the .bin's real
+    path, keyed by its size and modification time; a lock there makes the other processes of the node wait for the
+    first one's scan instead of repeating it."""
+    from megatron.data.indexed_dataset import data_file_path
+
+    path = os.path.realpath(data_file_path(prefix))
+    try:
+        info = os.stat(path)
+    except OSError:
+        return scan(prefix)  # a missing file: the scan's opening names it
+    key = {"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), f"megatron-token-scan-{os.getuid()}")
+    os.makedirs(cache_dir, exist_ok=True)
+    name = os.path.join(cache_dir, hashlib.sha1(path.encode()).hexdigest())
+    with open(name + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(name + ".json") as f:
+                cached = json.load(f)
+            if cached["key"] == key:
+                return cached["largest"], cached["whole"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or of another version of the file: scan
+        largest, whole = scan(prefix)
+        with open(name + ".json.tmp", "w") as f:
+            json.dump({"key": key, "largest": largest, "whole": whole}, f)
+        os.replace(name + ".json.tmp", name + ".json")
+        return largest, whole
+
+
+def check_data_vocabulary(prefixes, tokenizer_vocab_size, padded_vocab_size, tokenizer_flag,
+                          largest=cached_largest_token_id):
     """ValueError when a --data-path dataset holds a token id the tokenizer (or the model) cannot have."""
     from megatron.data.indexed_dataset import IndexedDatasetError
 
     for prefix in prefixes:
         try:
-            largest, whole = largest_token_id(prefix)
+            largest_id, whole = largest(prefix)
         except IndexedDatasetError:
             continue  # a truncated or corrupt pair: the dataset build names it (exit 1) as before
-        if largest >= tokenizer_vocab_size:
+        if largest_id >= tokenizer_vocab_size:
             seen = "" if whole else " (sampled: the .bin is larger than 1 GiB)"
             raise ValueError(
-                f"--data-path {prefix}: token id {largest}{seen} does not fit the tokenizer's {tokenizer_vocab_size} "
+                f"--data-path {prefix}: token id {largest_id}{seen} does not fit the tokenizer's {tokenizer_vocab_size} "
                 f"tokens ({tokenizer_flag}) nor the model's padded vocabulary of {padded_vocab_size}; the data was "
                 "made with another tokenizer: pass that one, or re-run tools/preprocess_data.py with this one")
-        logger.info("%s: largest token id %d%s < tokenizer vocabulary %d <= padded %d", prefix, largest,
+        logger.info("%s: largest token id %d%s < tokenizer vocabulary %d <= padded %d", prefix, largest_id,
                     "" if whole else " (sampled)", tokenizer_vocab_size, padded_vocab_size)
 
 

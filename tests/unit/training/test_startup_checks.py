@@ -45,6 +45,39 @@ def test_largest_token_id_scans_whole_files_and_samples_large_ones(tmp_path):
     assert largest_token_id(_dataset(tmp_path / "e", [])) == (-1, True)
 
 
+def _counting_scan(prefix):
+    with open(f"{prefix}.scans", "a") as f:  # one line per real scan, whichever process made it
+        f.write("scan\n")
+    return largest_token_id(prefix)
+
+
+def _check_in_process(prefix, cache_dir, results):
+    results.put(startup_checks.cached_largest_token_id(prefix, cache_dir, scan=_counting_scan))
+
+
+def test_the_processes_of_a_node_scan_a_file_once(tmp_path):
+    """Four processes starting together (one per GPU of a node) scan the .bin once and all get its result; a new
+    version of the file (another size or modification time) is scanned again."""
+    import multiprocessing
+
+    prefix = _dataset(tmp_path / "d", [[5, 9, 8001], [3]])
+    cache = tmp_path / "cache"
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_check_in_process, args=(prefix, cache, results)) for _ in range(4)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [process.exitcode for process in processes] == [0, 0, 0, 0]
+    assert [results.get(timeout=5) for _ in processes] == [(8001, True)] * 4
+    assert open(f"{prefix}.scans").read() == "scan\n"
+    _dataset(tmp_path / "d", [[5, 9, 8002], [3]])  # same size, later modification time
+    os.utime(f"{prefix}.bin", ns=(os.stat(f"{prefix}.bin").st_atime_ns, os.stat(f"{prefix}.bin").st_mtime_ns + 1))
+    assert startup_checks.cached_largest_token_id(prefix, cache, scan=_counting_scan) == (8002, True)
+    assert open(f"{prefix}.scans").read() == "scan\nscan\n"
+
+
 def test_data_with_ids_beyond_the_tokenizer_stops(tmp_path):
     prefix = _dataset(tmp_path / "d", [[5, 9, 8001], [3]])
     check_data_vocabulary([prefix], 8002, 8064, "--vocab-file v.json")  # 8001 fits 8002 tokens
