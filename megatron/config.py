@@ -185,7 +185,7 @@ class OptimizerConfig:
                                 type=float, aliases=("--warmup",), json=("warmup_iters",))
     lr_decay_iters: Optional[int] = flag(None, "iterations over which the LR decays", default_text="--train-iters")
     weight_decay: float = flag(0.01, "decoupled weight decay (not on biases and norms)")
-    clip_grad: float = flag(1.0, "gradient-norm clipping (0: off)")
+    clip_grad: float = flag(1.0, "gradient-norm clipping (0: off)", deepspeed="gradient_clipping")
     adam_beta1: float = flag(0.9, "Adam beta1")
     adam_beta2: float = flag(0.999, "Adam beta2")
     adam_eps: float = flag(1e-8, "Adam epsilon")
@@ -209,9 +209,10 @@ class PrecisionConfig:
     fp16: bool = flag(False, "float16 with loss scaling")
     loss_scale: Optional[float] = flag(None, "static fp16 loss scale", default_text="dynamic")
     initial_loss_scale: float = flag(2.0 ** 32, "first dynamic loss scale")
-    min_loss_scale: float = flag(1.0, "lowest dynamic loss scale")
-    loss_scale_window: int = flag(1000, "overflow-free iterations before the dynamic scale grows")
-    hysteresis: int = flag(2, "overflows tolerated before the dynamic scale shrinks")
+    min_loss_scale: float = flag(1.0, "lowest dynamic loss scale", deepspeed="fp16.min_loss_scale")
+    loss_scale_window: int = flag(1000, "overflow-free iterations before the dynamic scale grows",
+                                  deepspeed="fp16.loss_scale_window")
+    hysteresis: int = flag(2, "overflows tolerated before the dynamic scale shrinks", deepspeed="fp16.hysteresis")
 
     def __post_init__(self):
         if self.bf16 and self.fp16:
@@ -261,10 +262,10 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = flag(None, "save and exit after this many minutes of training")
     exit_signal_handler: bool = flag(False, "SIGTERM/SIGINT: save and exit 0")
     max_nan_iterations: int = flag(3, "consecutive iterations with a NaN/inf loss before the run stops")
-    zero_stage: int = flag(0, "ZeRO stage (the JSON's zero_optimization.stage when the flag is not given)",
-                           choices=(0, 1, 2, 3))
+    zero_stage: int = flag(0, "ZeRO stage", choices=(0, 1, 2, 3), deepspeed="zero_optimization.stage")
     cpu_offload: bool = flag(False, "ZeRO optimizer state on the CPU")
-    partition_activations: bool = flag(False, "split checkpointed activations across tensor-parallel ranks")
+    partition_activations: bool = flag(False, "split checkpointed activations across tensor-parallel ranks",
+                                       deepspeed="activation_checkpointing.partition_activations")
 
     def __post_init__(self):
         if self.micro_batch_size < 1:

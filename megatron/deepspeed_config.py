@@ -16,9 +16,10 @@ import difflib
 import functools
 import json
 import logging
+import math
 import os
 
-from megatron.config import ConfigError, batch_fit_hint, json_flags
+from megatron.config import ConfigError, batch_fit_hint, flag_specs, json_flags
 from megatron.flags import json_value, shown
 
 logger = logging.getLogger(__name__)
@@ -213,14 +214,19 @@ def reconcile(values, user, data_parallel_size):
                             "to true (or remove it) in the JSON")
         values[name] = values[name] or enabled is True
 
-    zero = user.get("zero_optimization", {})
-    stage = zero.get("stage")
     given = values.get("explicit_flags", frozenset())  # on the command line or by a JSON key naming the flag
-    if stage is not None and "zero_stage" in given and stage != values["zero_stage"]:
-        raise _disagree("zero_optimization.stage", stage, "--zero-stage", values["zero_stage"],
-                        "make them equal or drop one")
-    if stage is not None and "zero_stage" not in given:
-        values["zero_stage"] = stage
+    for key, spec, from_json in _same_settings():
+        found, value = _lookup(user, key)
+        if not found or value == "auto":
+            continue
+        if spec.dest in given:
+            if from_json(value) != values[spec.dest]:
+                flag_value = "(set)" if spec.is_switch else shown(values[spec.dest])
+                raise _disagree(key, json.dumps(value), spec.spellings[0], flag_value, "make them equal or drop one")
+        else:
+            values[spec.dest] = from_json(value)
+
+    zero = user.get("zero_optimization", {})
     device = zero.get("offload_optimizer", {}).get("device")
     if device == "nvme":
         raise ConfigError("DeepSpeed config zero_optimization.offload_optimizer.device=nvme is not supported: the "
@@ -245,13 +251,30 @@ def reconcile(values, user, data_parallel_size):
     if "scheduler" in user:
         raise ConfigError("DeepSpeed config has a scheduler section; the LR schedule comes from --lr, --min-lr, "
                          "--lr-decay-style, --lr-warmup-iters: remove the section")
-
-    clip = user.get("gradient_clipping")
-    if clip is not None and "clip_grad" in given and clip != values["clip_grad"]:
-        raise _disagree("gradient_clipping", clip, "--clip-grad", values["clip_grad"], "make them equal or drop one")
-    if clip is not None and "clip_grad" not in given:
-        values["clip_grad"] = clip
     return values
+
+
+# DeepSpeed's own keys that hold a flag's setting in another unit: {dotted key: (dest, JSON value -> flag value)}.
+_CONVERTED_SETTINGS = {"fp16.loss_scale": ("loss_scale", lambda v: v or None),  # 0: dynamic (the flag unset)
+                       "fp16.initial_scale_power": ("initial_loss_scale", lambda power: 2.0 ** power)}
+
+
+def _same_settings():
+    """(dotted DeepSpeed key, FlagSpec, JSON value -> flag value) of every flag whose setting DeepSpeed's JSON may
+    also hold: those declared with deepspeed="..." and _CONVERTED_SETTINGS."""
+    specs = {spec.dest: spec for spec in flag_specs()}
+    same = [(spec.deepspeed, spec, lambda v: v) for spec in specs.values() if spec.deepspeed]
+    return same + [(key, specs[dest], convert) for key, (dest, convert) in _CONVERTED_SETTINGS.items()]
+
+
+def _lookup(user, dotted):
+    """(found, value) of a dotted key ("zero_optimization.stage") in the JSON."""
+    node = user
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 def build_deepspeed_config(config, user):
@@ -266,12 +289,11 @@ def build_deepspeed_config(config, user):
     ds["gradient_clipping"] = config.optimizer.clip_grad
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision.bf16}
     fp16 = {**ds.get("fp16", {}), "enabled": precision.fp16}
-    if precision.fp16:
-        fp16.setdefault("loss_scale", precision.loss_scale or 0)
-        fp16.setdefault("initial_scale_power", int(round(__import__("math").log2(precision.initial_loss_scale))))
-        fp16.setdefault("loss_scale_window", precision.loss_scale_window)
-        fp16.setdefault("hysteresis", precision.hysteresis)
-        fp16.setdefault("min_loss_scale", precision.min_loss_scale)
+    if precision.fp16:  # reconcile() made the JSON's values and the flags one
+        fp16.update(loss_scale=precision.loss_scale or 0,
+                    initial_scale_power=int(round(math.log2(precision.initial_loss_scale))),
+                    loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+                    min_loss_scale=precision.min_loss_scale)
     ds["fp16"] = fp16
     zero = {**ds.get("zero_optimization", {}), "stage": training.zero_stage}
     if training.cpu_offload:

@@ -14,7 +14,9 @@ flag(): aliases (other spellings, "--batch-size"), choices, type/nargs/metavar (
 annotation does not say: a tuple of ints, a float fraction in an int field), negation ("--no-embed-layernorm": a
 second switch storing False), json (extra JSON keys, beyond each long spelling with underscores; False: none),
 required (needed from the command line or the JSON; the field default then serves library callers only),
-default_text (what an unset None means, shown in --help instead of "none"). Flags that set no config field
+default_text (what an unset None means, shown in --help instead of "none"), deepspeed (the dotted key of
+DeepSpeed's own JSON that holds the same setting, "zero_optimization.stage": it sets the flag when the flag is
+not given, and stops the run naming both when they differ). Flags that set no config field
 (the launcher's --local_rank, --deepspeed) are declared in arguments.py.
 
 Pure: imports nothing from megatron and no third-party package (megatron.config imports it).
@@ -40,6 +42,7 @@ class FlagSpec:
     json: object = ()
     required: bool = False
     default_text: typing.Optional[str] = None
+    deepspeed: typing.Optional[str] = None
     spelling: typing.Optional[str] = None
     dest: str = ""
     default: object = None

@@ -403,27 +403,36 @@ def test_no_tokenizer_is_one_message_for_training_and_preprocessing(tmp_path):
     (["--misspeled-flag"], "unrecognized arguments: --misspeled-flag"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
 ], ids=["close", "unknown", "type"])
-def test_bad_command_line_is_one_line_on_the_first_rank_only(monkeypatch, caplog, capsys, argv, message):
+def test_bad_command_line_raises_and_the_entry_point_prints_it_once(monkeypatch, capsys, isolated_logging, argv,
+                                                                    message):
+    """The parser raises ConfigError carrying the line and prints nothing; pretrain_bloom.py prints it once (the
+    first local rank: no usage block) and exits 2, the other ranks silently with the same code."""
+    import pretrain_bloom
     from megatron import initialize
-    from megatron.arguments import build_parser, parse_args
+    from megatron.arguments import build_parser
+    from megatron.config import ConfigError
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as exit_, caplog.at_level(logging.ERROR):
+    with pytest.raises(ConfigError) as err:
         parse_args(argv)
-    assert exit_.value.code == 2
-    assert [r.getMessage() for r in caplog.records] == [f"{message}; see {build_parser().prog} --help"]
-    assert capsys.readouterr() == ("", "")  # no usage block
-    caplog.clear()
+    assert str(err.value) == f"{message}; see {build_parser().prog} --help"
+    assert capsys.readouterr() == ("", "")
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_bloom.main(argv)
+    out, stderr = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert [line.split("] ", 2)[2] for line in stderr.splitlines()] == [  # after "[time] [rank 0] "
+        f"ERROR megatron: {message}; see {build_parser().prog} --help"]
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(initialize, "_SILENT_RANK_GRACE_S", 0)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with pytest.raises(SystemExit) as exit_:
-            parse_args(argv)
+            pretrain_bloom.main(argv)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    assert exit_.value.code == 2 and caplog.records == [] and capsys.readouterr() == ("", "")
+    assert exit_.value.code == 2 and capsys.readouterr() == ("", "")
 
 
 def test_help_printed_by_the_first_rank_only(monkeypatch, capsys):
