@@ -35,11 +35,13 @@ logger = logging.getLogger(__name__)
 
 # Flags that set no config field: the launchers' (spellings, argparse options with their help).
 LAUNCHER_FLAGS = (
-    (("--deepspeed",), dict(action="store_true", help="accepted for compatibility: DeepSpeed is the engine")),
-    (("--local_rank", "--local-rank"), dict(type=int, default=None, help="set by the deepspeed launcher")),
+    (("--deepspeed",), dict(action="store_true", help="accepted for compatibility: DeepSpeed is the engine "
+                                                      "(default: off)")),
+    (("--local_rank", "--local-rank"), dict(type=int, default=None, help="set by the deepspeed launcher (default: "
+                                                                         "none)")),
     (("--deepspeed-activation-checkpointing",),
      dict(action="store_true", help="accepted for compatibility (DeepSpeed's checkpointing is used with "
-                                    "--partition-activations)")),
+                                    "--partition-activations) (default: off)")),
 )
 
 
@@ -93,7 +95,7 @@ def build_parser(defaults=True):
         launcher.add_argument(*spellings, **options)
     for flag in upstream_compat.NOT_SUPPORTED.values():  # BLOOM tr11's, refused in one line when given
         launcher.add_argument(flag, default=None if defaults else argparse.SUPPRESS,
-                              help="upstream's; not supported (one line says why)")
+                              help="upstream's; not supported (one line says why) (default: none)")
     return parser
 
 

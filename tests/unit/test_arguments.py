@@ -471,6 +471,8 @@ def test_every_flag_has_help_showing_its_config_default():
     for action in actions:
         assert action.help and len(action.help) > 10, action.option_strings
         if action.dest not in fields:
+            shown_default = "off" if action.default is False else shown(action.default)
+            assert action.help.endswith(f" (default: {shown_default})"), action.option_strings
             continue
         default, spec = fields[action.dest]
         if spec.required:
