@@ -237,6 +237,13 @@ def reconcile(values, user, data_parallel_size):
                         "drop --cpu-offload or set the device to cpu")
     values["cpu_offload"] = values["cpu_offload"] or device == "cpu"
 
+    kind = user.get("optimizer", {}).get("type")
+    if kind is not None:  # DeepSpeed's optimizer names for --optimizer's choices
+        ours = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}.get(str(kind).lower())
+        if ours is None or ("optimizer" in given and ours != values["optimizer"]):
+            raise _disagree("optimizer.type", kind, "--optimizer", values["optimizer"], "the optimizer is built "
+                            "from the flags (adam: AdamW, sgd): make them equal or drop the optimizer section")
+        values["optimizer"] = ours
     params = user.get("optimizer", {}).get("params", {})
     flag_values = {"lr": ("--lr", values["lr"]), "weight_decay": ("--weight-decay", values["weight_decay"]),
                    "eps": ("--adam-eps", values["adam_eps"]),

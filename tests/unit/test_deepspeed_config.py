@@ -70,11 +70,17 @@ def test_json_key_contradicting_a_command_line_flag(user, message):
      "drop one"),
     (["--loss-scale", "128"], {"fp16": {"loss_scale": 0}},
      "DeepSpeed config fp16.loss_scale=0 contradicts --loss-scale 128.0; make them equal or drop one"),
+    (["--optimizer", "sgd"], {"optimizer": {"type": "AdamW"}},
+     "DeepSpeed config optimizer.type=AdamW contradicts --optimizer sgd; the optimizer is built from the flags (adam: "
+     "AdamW, sgd): make them equal or drop the optimizer section"),
+    ([], {"optimizer": {"type": "Lamb"}},
+     "DeepSpeed config optimizer.type=Lamb contradicts --optimizer adam; the optimizer is built from the flags (adam: "
+     "AdamW, sgd): make them equal or drop the optimizer section"),
     (["--partition-activations"], {"activation_checkpointing": {"partition_activations": False}},
      "DeepSpeed config activation_checkpointing.partition_activations=false contradicts --partition-activations "
      "(set); make them equal or drop one"),
 ], ids=["zero", "clip", "global-batch", "micro-batch", "optimizer", "bf16-disabled", "fp16-disabled", "nvme",
-        "offload-none", "loss-scale-window", "initial-scale-power", "static-scale", "partition-activations"])
+        "offload-none", "optimizer-type", "optimizer-unknown", "loss-scale-window", "initial-scale-power", "static-scale", "partition-activations"])
 def test_deepspeed_key_contradicting_a_flag(extra, user, message):
     values, _ = merge_json_flags(parse_args(FLAGS + extra), user, "ds.json")
     with pytest.raises(ValueError) as err:
@@ -137,6 +143,11 @@ def test_offload_without_zero_is_refused():
     with pytest.raises(ValueError) as err:
         resolve(parse_args(FLAGS), 1, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, None, None)
     assert str(err.value) == "--cpu-offload needs ZeRO stage 1, 2 or 3 (got 0); add --zero-stage 2"
+
+
+def test_json_optimizer_type_sets_the_flag_not_given():
+    config, ds = resolve(parse_args(FLAGS), 1, {"optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}, None, None)
+    assert config.optimizer.optimizer == "sgd" and "optimizer" not in ds
 
 
 def test_json_fp16_settings_set_the_flags_not_given():
