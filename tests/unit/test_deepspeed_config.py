@@ -80,7 +80,8 @@ def test_json_key_contradicting_a_command_line_flag(user, message):
      "DeepSpeed config activation_checkpointing.partition_activations=false contradicts --partition-activations "
      "(set); make them equal or drop one"),
 ], ids=["zero", "clip", "global-batch", "micro-batch", "optimizer", "bf16-disabled", "fp16-disabled", "nvme",
-        "offload-none", "optimizer-type", "optimizer-unknown", "loss-scale-window", "initial-scale-power", "static-scale", "partition-activations"])
+        "offload-none", "optimizer-type", "optimizer-unknown", "loss-scale-window", "initial-scale-power",
+        "static-scale", "partition-activations"])
 def test_deepspeed_key_contradicting_a_flag(extra, user, message):
     values, _ = merge_json_flags(parse_args(FLAGS + extra), user, "ds.json")
     with pytest.raises(ValueError) as err:
