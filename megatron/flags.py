@@ -147,6 +147,8 @@ def json_value(spec, stored, key, value):
         values = value if isinstance(value, list) else [value]
         if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
             raise bad("a list of strings" if spec.type is str else f"a list of {_a(spec.type)[2:]}s")
+        if isinstance(spec.nargs, int) and len(values) != spec.nargs:
+            raise bad(f"a list of {spec.nargs} values")
         return tuple(_convert(spec, v, bad) for v in values)
     return _convert(spec, value, bad)
 

@@ -257,7 +257,9 @@ def test_deepspeed_keys_come_from_deepspeed():
                             "fix the value or drop the key"),
     ({"warmup": 10, "warmup_iters": 20}, "DeepSpeed config warmup_iters=20 contradicts its warmup=10 (both set "
                                          "--lr-warmup-iters); keep one"),
-], ids=["type", "choice", "integer", "two-keys"])
+    ({"rampup_batch_size": [2, 2]}, "DeepSpeed config rampup_batch_size=[2, 2] is not a valid --rampup-batch-size: "
+                                    "expected a list of 3 values; fix the value or drop the key"),
+], ids=["type", "choice", "integer", "two-keys", "count"])
 def test_bad_json_flag_values(doc_args, tmp_path, content, message):
     args, _ = with_json(without(doc_args, "--lr", "--lr-decay-style", "--log-interval", "--warmup"), tmp_path,
                         content)
