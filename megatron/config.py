@@ -3,12 +3,26 @@
 Components receive only the sub-config they need. Each sub-config checks its own fields in __post_init__ and
 derives what follows from them (the default global batch, train iterations from samples, warmup fractions);
 Config.__post_init__ checks the rules that span two of them. Errors a user can cause raise ValueError naming
-the flag, the values and the fix. Pure: no files, no tokenizer, no torch.
+the flag, the values and the fix (ConfigError, a ValueError). Pure: no files, no tokenizer, no torch, nothing
+else from megatron but megatron.flags.
+
+Each command-line flag is declared here, once, on the field it sets (`= flag(default, help, ...)`: spellings,
+help, choices, DeepSpeed JSON keys); arguments.py generates the parser from FLAG_SECTIONS. How to add a flag:
+megatron/flags.py's docstring.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.flags import comma_separated, declared_flags, flag, json_table
+
 ATTENTION_IMPLS = ("auto", "flex", "sdpa", "fused", "torch")
+LOG_LEVELS = ("debug", "info", "warning")
+
+
+class ConfigError(ValueError):
+    """A bad command line, DeepSpeed JSON or combination of flags; str() is the one line to print. The parser and
+    resolve() raise it; the entry point decides how to exit (pretrain_bloom.py: printed once per host, exit 2)."""
 
 
 def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
@@ -38,6 +52,23 @@ def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_mod
     return -(-orig_vocab_size // multiple) * multiple
 
 
+def validate_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size):
+    """Returns the data-parallel size, or raises ValueError naming the flags, the values and a fix."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
+                         "must be at least 1")
+    if world_size % (tp * pp) != 0:
+        fits = [f"TP {t} x PP {p}" for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)
+                if world_size % (t * p) == 0 and t * p <= world_size and t <= 8]
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} processes "
+            f"per model replica, which does not divide the {world_size} processes launched; "
+            f"launch a multiple of {tp * pp} processes or pick a layout that fits {world_size}: "
+            + ", ".join(fits[:6]))
+    return world_size // (tp * pp)
+
+
 def _derive(config, **values):
     """Sets derived fields of a frozen dataclass from its own __post_init__."""
     for name, value in values.items():
@@ -47,28 +78,36 @@ def _derive(config, **values):
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a BLOOM network (vocab_size is the padded size the embedding holds)."""
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int
-    seq_length: int = 2048
-    max_position_embeddings: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    layernorm_epsilon: float = 1e-5
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    embed_layernorm: bool = True
-    position_embedding_type: str = "alibi"
-    apply_residual_connection_post_layernorm: bool = False
-    attention_impl: str = "auto"
-    checkpoint_activations: bool = False
-    fused_layernorm: bool = False
-    abort_on_unmet_fused_kernel_constraints: bool = False
-    loss_chunk_size: int = 0
-    tensor_model_parallel_size: int = 1
-    seed: int = 1234
-    checkpoint_num_layers: int = 1  # upstream compatibility (issue 21): layers per activation-checkpoint chunk
+    num_layers: int = flag(help="transformer layers", required=True)
+    hidden_size: int = flag(help="hidden size h", required=True)
+    num_attention_heads: int = flag(help="attention heads (divisible by TP)", required=True)
+    vocab_size: int  # the padded vocabulary: from the tokenizer, --make-vocab-size-divisible-by and TP
+    # the flag is required; 2048 serves library callers (a BloomConfig has no sequence length)
+    seq_length: int = flag(2048, "tokens per sample", required=True)
+    max_position_embeddings: Optional[int] = flag(None, "the longest sequence the model is meant for (ALiBi has no "
+                                                  "position table; checked against --seq-length)")
+    ffn_hidden_size: Optional[int] = flag(None, "MLP inner size", default_text="4 x --hidden-size")
+    layernorm_epsilon: float = flag(1e-5, "LayerNorm epsilon")
+    hidden_dropout: float = flag(0.0, "dropout after attention and MLP")
+    attention_dropout: float = flag(0.0, "dropout of the attention probabilities")
+    init_method_std: float = flag(0.02, "standard deviation of the normal weight initialisation")
+    embed_layernorm: bool = flag(True, "LayerNorm after the word embeddings (BLOOM)",
+                                 negation="--no-embed-layernorm")
+    position_embedding_type: str = flag("alibi", "position encoding (BLOOM: ALiBi)", choices=("alibi",))
+    apply_residual_connection_post_layernorm: bool = flag(
+        False, "the residual branch starts after the input LayerNorm instead of before it")
+    attention_impl: str = flag("auto", "attention backend (auto: the fastest that serves; a fallback is logged)",
+                               choices=ATTENTION_IMPLS)
+    checkpoint_activations: bool = flag(False, "recompute each layer's activations in the backward pass")
+    fused_layernorm: bool = flag(False, "csrc mixed-precision LayerNorm (CUDA)")
+    abort_on_unmet_fused_kernel_constraints: bool = flag(
+        False, "stop instead of falling back when a fused kernel cannot serve this configuration")
+    loss_chunk_size: int = flag(0, "tokens per chunk of the LM head + loss (0: whole micro batch at once; PP 1 "
+                                "only)")
+    tensor_model_parallel_size: int = 1  # --tensor-model-parallel-size (ParallelConfig's flag)
+    seed: int = flag(1234, "random seed of weights, dropout and data order")
+    checkpoint_num_layers: int = flag(1, "transformer layers per activation-checkpoint chunk (with "
+                                      "--checkpoint-activations)")
 
     def __post_init__(self):
         if self.checkpoint_num_layers < 1:
@@ -120,14 +159,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """TP x PP x DP = world size; validated once, before anything is built."""
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    world_size: int = 1
-    distributed_backend: str = "gloo"
-    distributed_timeout_minutes: int = 10
+    tensor_model_parallel_size: int = flag(1, "tensor-parallel size (TP)", aliases=("--model-parallel-size",))
+    pipeline_model_parallel_size: int = flag(1, "pipeline stages (PP)", aliases=("--pipe-parallel-size",))
+    world_size: int = 1  # $WORLD_SIZE
+    distributed_backend: Optional[str] = flag(None, "torch.distributed backend", choices=("nccl", "gloo"),
+                                              default_text="nccl with CUDA, gloo without")
+    distributed_timeout_minutes: int = flag(10, "timeout of collective operations")
 
     def __post_init__(self):
-        from megatron.core.parallel_state import validate_parallel_sizes
         validate_parallel_sizes(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
 
     @property
@@ -137,18 +176,20 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    optimizer: str = "adam"
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    lr_warmup_iters: int = 0  # a value below 1 is a fraction of lr_decay_iters, made iterations here
-    lr_decay_iters: Optional[int] = None
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
+    lr: float = flag(help="peak learning rate", required=True)
+    optimizer: str = flag("adam", "optimizer (adam: AdamW with decoupled weight decay)", choices=("adam", "sgd"))
+    min_lr: float = flag(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = flag("linear", "how the LR decays after warmup", choices=("constant", "linear", "cosine"))
+    # a value below 1 is a fraction of lr_decay_iters, made iterations in __post_init__
+    lr_warmup_iters: int = flag(0, "iterations of linear warmup (a value below 1 is a fraction of --lr-decay-iters)",
+                                type=float, aliases=("--warmup",), json=("warmup_iters",))
+    lr_decay_iters: Optional[int] = flag(None, "iterations over which the LR decays", default_text="--train-iters")
+    weight_decay: float = flag(0.01, "decoupled weight decay (not on biases and norms)")
+    clip_grad: float = flag(1.0, "gradient-norm clipping (0: off)", deepspeed="gradient_clipping")
+    adam_beta1: float = flag(0.9, "Adam beta1")
+    adam_beta2: float = flag(0.999, "Adam beta2")
+    adam_eps: float = flag(1e-8, "Adam epsilon")
+    sgd_momentum: float = flag(0.9, "SGD momentum")
 
     def __post_init__(self):
         if self.min_lr > self.lr:
@@ -164,13 +205,14 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: Optional[float] = None  # None: dynamic
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    bf16: bool = flag(False, "bfloat16 weights and activations (fp32 master weights)")
+    fp16: bool = flag(False, "float16 with loss scaling")
+    loss_scale: Optional[float] = flag(None, "static fp16 loss scale", default_text="dynamic")
+    initial_loss_scale: float = flag(2.0 ** 32, "first dynamic loss scale")
+    min_loss_scale: float = flag(1.0, "lowest dynamic loss scale", deepspeed="fp16.min_loss_scale")
+    loss_scale_window: int = flag(1000, "overflow-free iterations before the dynamic scale grows",
+                                  deepspeed="fp16.loss_scale_window")
+    hysteresis: int = flag(2, "overflows tolerated before the dynamic scale shrinks", deepspeed="fp16.hysteresis")
 
     def __post_init__(self):
         if self.bf16 and self.fp16:
@@ -208,20 +250,22 @@ def batch_fit_hint(global_batch, micro_batch, data_parallel_size):
 class TrainingConfig:
     """Batch arithmetic and loop lengths: global = micro x grad accumulation x DP. global_batch_size defaults
     to micro x DP; train_iters comes from --train-iters or --train-samples // global batch."""
-    micro_batch_size: int
-    data_parallel_size: int
-    global_batch_size: Optional[int] = None
-    train_iters: Optional[int] = None
-    train_samples: Optional[int] = None
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
-    max_nan_iterations: int = 3
-    zero_stage: int = 0
-    cpu_offload: bool = False
-    partition_activations: bool = False
+    micro_batch_size: int = flag(help="samples per GPU per forward pass", required=True)
+    data_parallel_size: int  # world / (TP x PP)
+    global_batch_size: Optional[int] = flag(None, "samples per optimizer step", aliases=("--batch-size",),
+                                            default_text="micro batch x data-parallel size")
+    train_iters: Optional[int] = flag(None, "iterations to train (or --train-samples)")
+    train_samples: Optional[int] = flag(None, "samples to train (or --train-iters)")
+    eval_interval: int = flag(1000, "iterations between validation runs")
+    eval_iters: int = flag(10, "validation batches per run")
+    exit_interval: Optional[int] = flag(None, "save and exit at the first iteration divisible by this")
+    exit_duration_in_mins: Optional[float] = flag(None, "save and exit after this many minutes of training")
+    exit_signal_handler: bool = flag(False, "SIGTERM/SIGINT: save and exit 0")
+    max_nan_iterations: int = flag(3, "consecutive iterations with a NaN/inf loss before the run stops")
+    zero_stage: int = flag(0, "ZeRO stage", choices=(0, 1, 2, 3), deepspeed="zero_optimization.stage")
+    cpu_offload: bool = flag(False, "ZeRO optimizer state on the CPU")
+    partition_activations: bool = flag(False, "split checkpointed activations across tensor-parallel ranks",
+                                       deepspeed="activation_checkpointing.partition_activations")
 
     def __post_init__(self):
         if self.micro_batch_size < 1:
@@ -255,18 +299,21 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: tuple = ()
-    split: str = "969,30,1"
-    tokenizer_type: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_name_or_path: Optional[str] = None
-    make_vocab_size_divisible_by: int = 128
-    pad_vocab_size_to: Optional[int] = None
-    num_workers: int = 0
-    data_cache_dir: Optional[str] = None
-    mock_data: bool = False
-    mock_vocab_size: int = 50257
+    data_path: tuple = flag((), "prefix, or weight prefix weight prefix ...", type=str, nargs="*")
+    split: str = flag("969,30,1", "train, validation, test weights of each dataset")
+    data_impl: str = flag("mmap", "indexed dataset format", aliases=("--dataset-impl",), choices=("mmap",))
+    tokenizer_type: Optional[str] = flag(None, "tokenizer", choices=("GPT2BPETokenizer", "PretrainedFromHF"),
+                                         default_text="GPT2BPETokenizer with --vocab-file/--merge-file, else "
+                                         "PretrainedFromHF")
+    vocab_file: Optional[str] = flag(None, "GPT-2 BPE vocab.json")
+    merge_file: Optional[str] = flag(None, "GPT-2 BPE merges.txt")
+    tokenizer_name_or_path: Optional[str] = flag(None, "a local Hugging Face tokenizer folder or tokenizer.json")
+    make_vocab_size_divisible_by: int = flag(128, "pad the vocabulary to a multiple of this x TP")
+    pad_vocab_size_to: Optional[int] = flag(None, "pad the vocabulary to exactly this size")
+    num_workers: int = flag(0, "data loader worker processes")
+    data_cache_dir: Optional[str] = flag(None, "where index files go", default_text="beside the data")
+    mock_data: bool = flag(False, "synthetic random tokens (benchmarks)")
+    mock_vocab_size: int = flag(50257, "vocabulary of --mock-data without a tokenizer")
 
     def __post_init__(self):
         """The shape of --data-path (whether its files exist is arguments.check_data_files' business)."""
@@ -294,11 +341,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = 100
-    tensorboard_dir: Optional[str] = None
-    metrics_file: Optional[str] = None
-    peak_tflops: Optional[float] = None
-    log_level: str = "info"
+    log_interval: int = flag(100, "iterations between log lines")
+    tensorboard_dir: Optional[str] = flag(None, "write tensorboard events here")
+    metrics_file: Optional[str] = flag(None, "JSON lines of per-iteration metrics",
+                                       default_text="metrics.jsonl in --tensorboard-dir or --save")
+    peak_tflops: Optional[float] = flag(None, "device bf16 peak for MFU",
+                                        default_text="measured once at start-up on CUDA")
+    log_level: str = flag("info", "info: our log lines only; debug: also DeepSpeed's logs, prints and warnings",
+                          choices=LOG_LEVELS)
 
 
 # ---------------------------------------------------------------- timers, profiles, W&B (issue 22)
@@ -310,17 +360,24 @@ class MonitoringConfig:
     """What a run measures about itself beyond the log line: phase timers (Megatron's --timing-log-level and
     --timing-log-option), the torch profiler window and Weights & Biases. profile_dir is resolved (it defaults to
     --tensorboard-dir)."""
-    timing_log_level: int = 0
-    timing_log_option: str = "max"
-    log_timers_to_tensorboard: bool = False
-    profile: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: tuple = (0,)
-    profile_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
+    timing_log_level: int = flag(0, "0: the log line only; 1: + per-phase times, communication share, pipeline "
+                                 "bubble, GPU utilization; 2: + per-micro-batch and per-layer times",
+                                 choices=(0, 1, 2))
+    timing_log_option: str = flag("max", "how phase times of the ranks are combined: max, min and max, or every "
+                                  "rank's", choices=TIMING_LOG_OPTIONS)
+    log_timers_to_tensorboard: bool = flag(False, "also write the phase times to tensorboard (and W&B) as "
+                                           "timers/<phase> (alone, as in BLOOM's tr11 recipe, it turns on "
+                                           "--timing-log-level 1)")
+    profile: bool = flag(False, "torch profiler trace of the iterations after --profile-step-start up to "
+                         "--profile-step-end")
+    profile_step_start: int = flag(10, "the iteration after which the trace starts")
+    profile_step_end: int = flag(12, "the last traced iteration")
+    profile_ranks: tuple = flag((0,), "ranks that write a trace", type=int, nargs="+")
+    profile_dir: Optional[str] = flag(None, "where traces go", default_text="--tensorboard-dir")
+    wandb_project: Optional[str] = flag(None, "log the tensorboard scalars to this W&B project")
+    wandb_exp_name: Optional[str] = flag(None, "the W&B run's name")
+    wandb_save_dir: Optional[str] = flag(None, "W&B's local folder (WANDB_MODE=offline keeps the run there)",
+                                         default_text="--tensorboard-dir or --save")
 
     def __post_init__(self):
         if self.timing_log_level not in (0, 1, 2):
@@ -344,38 +401,52 @@ class MonitoringConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    no_save_optim: bool = False
-    finetune: bool = False
-    keep_last_n_checkpoints: Optional[int] = None
-    strict_load: bool = False
+    save: Optional[str] = flag(None, "checkpoint folder to save to")
+    load: Optional[str] = flag(None, "checkpoint folder to resume from (this project's or upstream's)")
+    save_interval: Optional[int] = flag(None, "iterations between checkpoints", default_text="at the end only")
+    no_load_optim: bool = flag(False, "resume without the optimizer state")
+    no_load_rng: bool = flag(False, "resume without the random-number generator states")
+    no_save_optim: bool = flag(False, "save weights without the optimizer state")
+    finetune: bool = flag(False, "load weights only; restart iterations at 0")
+    keep_last_n_checkpoints: Optional[int] = flag(None, "delete older checkpoints beyond this many",
+                                                  default_text="keep all")
+    strict_load: bool = flag(False, "stop instead of falling back to an older checkpoint")
 
 
 # ---------------------------------------------------------------- upstream compatibility (issue 21)
-# BigScience's tr11 (BLOOM) recipe flags; arguments._add_upstream_compat_args declares them, megatron/upstream_compat.py
-# holds the pure functions (ramp-up, sample-based schedule lengths) and the checks that span sections.
+# BigScience's tr11 (BLOOM) recipe flags, declared on UpstreamConfig; megatron/upstream_compat.py holds the pure
+# functions (ramp-up, sample-based schedule lengths) and the checks that span sections.
 
 
 @dataclass(frozen=True)
 class UpstreamConfig:
     """The flags of BigScience's Megatron-DeepSpeed that BLOOM's tr11 recipe passes (what each does: --help)."""
-    lr_decay_samples: Optional[int] = None
-    lr_warmup_samples: Optional[int] = None
-    rampup_batch_size: Optional[tuple] = None  # (start, increment, ramp-up samples)
-    kill_switch_path: Optional[str] = None
-    tensorboard_queue_size: int = 1000
-    log_batch_size_to_tensorboard: bool = False
-    log_validation_ppl_to_tensorboard: bool = False
-    sync_tp_duplicated_parameters: bool = False
-    universal_checkpoint: bool = False
-    pp_partition_method: str = "type:transformer"
-    override_lr_scheduler: bool = False
-    use_checkpoint_lr_scheduler: bool = False
-    eval_only: bool = False
+    lr_decay_samples: Optional[int] = flag(None, "LR decay over this many consumed samples (sample-based "
+                                           "schedule)", default_text="--train-samples")
+    lr_warmup_samples: Optional[int] = flag(None, "linear LR warmup over this many samples")
+    rampup_batch_size: Optional[tuple] = flag(  # (start, increment, ramp-up samples)
+        None, "grow the global batch from START by INCREMENT evenly over SAMPLES consumed samples (needs "
+        "--train-samples)", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    kill_switch_path: Optional[str] = flag(None, "when this file exists (checked before each iteration), exit 0 at "
+                                           "once without saving")
+    tensorboard_queue_size: int = flag(1000, "tensorboard events kept in memory before a write")
+    log_batch_size_to_tensorboard: bool = flag(False, "the global batch per step as the tensorboard scalar "
+                                               "train/global_batch_size (always on here)")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "validation perplexity as the tensorboard scalar "
+                                                   "valid/ppl (always on here)")
+    sync_tp_duplicated_parameters: bool = flag(False, "after each step, average over TP the parameters every TP "
+                                               "rank holds (LayerNorms, row-parallel biases) and their fp32 "
+                                               "masters")
+    universal_checkpoint: bool = flag(False, "--load an upstream folder's universal checkpoint (latest_universal); "
+                                      "this project's own checkpoints load on any layout without it")
+    pp_partition_method: str = flag("type:transformer", "how layers are split over pipeline stages: "
+                                    "type:transformer, type:transformer|embedding (BLOOM's), parameters, uniform")
+    override_lr_scheduler: bool = flag(False, "on resume take the LR schedule from the flags (this project's "
+                                       "default) and say nothing of the checkpoint's")
+    use_checkpoint_lr_scheduler: bool = flag(False, "on resume take the LR schedule (lr, min lr, warmup, decay, "
+                                             "style) from the checkpoint")
+    eval_only: bool = flag(False, "evaluate --eval-iters batches of the validation split and exit, without "
+                           "training")
     train_samples: Optional[int] = None  # --train-samples (TrainingConfig's is None once a ramp-up fixes the iterations)
 
     def __post_init__(self):
@@ -402,12 +473,15 @@ class UpstreamConfig:
 @dataclass(frozen=True)
 class EvalHarnessConfig:
     """--eval-harness-*: lm-eval tasks run on the live model every eval_harness_interval iterations."""
-    eval_harness_tasks: tuple = ()
-    eval_harness_interval: Optional[int] = None
-    eval_harness_limit: Optional[float] = None
-    eval_harness_include_path: Optional[str] = None
-    eval_harness_batch_size: int = 16
-    eval_harness_num_fewshot: Optional[int] = None
+    eval_harness_tasks: tuple = flag((), "comma-separated lm-eval tasks run on the live model every "
+                                     "--eval-harness-interval", type=comma_separated)
+    eval_harness_interval: Optional[int] = flag(None, "iterations between harness runs")
+    eval_harness_limit: Optional[float] = flag(None, "documents per task (a fraction below 1.0)",
+                                               default_text="all")
+    eval_harness_include_path: Optional[str] = flag(None, "a folder of extra lm-eval task YAML files")
+    eval_harness_batch_size: int = flag(16, "contexts per forward pass (each with its continuations)")
+    eval_harness_num_fewshot: Optional[int] = flag(None, "few-shot examples per context",
+                                                   default_text="each task's own")
 
     def __post_init__(self):
         if self.eval_harness_interval is not None and self.eval_harness_interval < 1:
@@ -442,7 +516,9 @@ class Config:
     data: DataConfig
     logging: LoggingConfig
     checkpoint: CheckpointConfig
-    deepspeed_config: Optional[str] = None
+    deepspeed_config: Optional[str] = flag(None, "DeepSpeed JSON: its keys fill in flags not given; a key that "
+                                           "contradicts a flag stops the run", spelling="--deepspeed_config",
+                                           aliases=("--deepspeed-config",), json=False)
     upstream: UpstreamConfig = UpstreamConfig()  # upstream compatibility (issue 21)
     monitoring: MonitoringConfig = MonitoringConfig()
     eval_harness: EvalHarnessConfig = EvalHarnessConfig()
@@ -480,3 +556,26 @@ class Config:
                              f"to {parallel.world_size - 1}; name ranks in that range")
         if monitoring.profile and min(monitoring.profile_ranks) < 0:
             raise ValueError("--profile-ranks takes ranks >= 0")
+
+
+# The sections whose fields declare flags, in --help order (title, class); arguments.py builds the parser from them.
+FLAG_SECTIONS = (("model", ModelConfig), ("parallelism", ParallelConfig), ("training", TrainingConfig),
+                 ("optimizer", OptimizerConfig), ("precision", PrecisionConfig), ("deepspeed", Config),
+                 ("data", DataConfig), ("logging", LoggingConfig), ("checkpointing", CheckpointConfig),
+                 ("upstream Megatron-DeepSpeed (BLOOM tr11 recipe)", UpstreamConfig),
+                 ("timers, profiles, weights and biases", MonitoringConfig),
+                 ("lm-evaluation-harness during training", EvalHarnessConfig))
+
+
+@functools.lru_cache(maxsize=None)
+def flag_specs():
+    """Every declared flag (megatron.flags.FlagSpec), in --help order."""
+    return declared_flags(FLAG_SECTIONS)
+
+
+@functools.lru_cache(maxsize=None)
+def json_flags():
+    """{top-level DeepSpeed JSON key: (FlagSpec, value a true switch key stores)}: each long spelling with
+    underscores (lr, min_lr, micro_batch_size, model_parallel_size, no_embed_layernorm, ...) and the extra keys
+    declared with json= (warmup_iters)."""
+    return json_table(flag_specs())

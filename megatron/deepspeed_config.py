@@ -2,8 +2,11 @@
 
 Pure functions of the loaded JSON dict (load_user_config is the one that reads the file): merge_json_flags
 lets top-level keys that name our flags (BLOOM's published ds_config has lr, min_lr, warmup_iters,
-micro_batch_size, ...) set those flags and notes the keys neither DeepSpeed's nor ours; reconcile takes the
-JSON's batch, precision, ZeRO and clipping values; build_deepspeed_config writes the resolved Config back.
+micro_batch_size, ...; the keys are declared with the flags, megatron.config.json_flags) set those flags and notes
+the keys neither DeepSpeed's nor ours; reconcile takes the JSON's batch, precision, ZeRO and clipping values;
+build_deepspeed_config writes the resolved Config back.
+
+Imports: megatron.config and megatron.flags only; arguments.py imports this module, never the reverse.
 
 DeepSpeed's batch rule is train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
 x data-parallel size; every message below spells that arithmetic out with the numbers involved.
@@ -13,9 +16,11 @@ import difflib
 import functools
 import json
 import logging
+import math
 import os
 
-from megatron.config import batch_fit_hint
+from megatron.config import ConfigError, batch_fit_hint, flag_specs, json_flags
+from megatron.flags import json_value, shown
 
 logger = logging.getLogger(__name__)
 
@@ -25,21 +30,21 @@ def load_user_config(path):
     if path is None:
         return {}
     if not os.path.isfile(path):
-        raise ValueError(f"--deepspeed_config {path}: file not found; pass an existing JSON file or omit the "
+        raise ConfigError(f"--deepspeed_config {path}: file not found; pass an existing JSON file or omit the "
                          "flag (the flags alone configure DeepSpeed)")
     try:
         with open(path) as f:
             user = json.load(f)
     except json.JSONDecodeError as err:
-        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({err}); fix the file") from None
+        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({err}); fix the file") from None
     if not isinstance(user, dict):
-        raise ValueError(f"--deepspeed_config {path}: holds a JSON {type(user).__name__}, not an object of keys; "
+        raise ConfigError(f"--deepspeed_config {path}: holds a JSON {type(user).__name__}, not an object of keys; "
                          "fix the file")
     return user
 
 
 def _disagree(key, json_value, flag, flag_value, fix):
-    return ValueError(f"DeepSpeed config {key}={json_value} contradicts {flag} {flag_value}; {fix}")
+    return ConfigError(f"DeepSpeed config {key}={json_value} contradicts {flag} {flag_value}; {fix}")
 
 
 class _KeyRecorder(dict):
@@ -94,44 +99,49 @@ def removed_deepspeed_keys():
 
 def merge_json_flags(args, user, path):
     """The flag values once the JSON's top-level keys naming flags (lr, min_lr, micro_batch_size, warmup_iters,
-    ...; see arguments.flags_by_json_key) have set the flags the command line did not give. Pure: returns
-    (values, notes): a new {dest: value} dict (args is not changed) and the (logging level, message) pairs to
-    report, one per key that is neither DeepSpeed's nor a flag's. Raises ValueError on a key that contradicts a
-    flag given on the command line, a bad value, or a section this DeepSpeed removed."""
-    from megatron.arguments import flags_by_json_key, json_value_for_flag
-    values = dict(vars(args))
-    explicit = values.pop("explicit_flags", frozenset())
+    ...; see megatron.config.json_flags) have set the flags the command line did not give. Pure: returns
+    (values, notes): a new {dest: value} dict (args is not changed; lists made tuples) whose "explicit_flags" are
+    the dests given on the command line or by such a key, and the (logging level, message) pairs to report, one
+    per key that is neither DeepSpeed's nor a flag's. Raises ConfigError on a key that contradicts a flag given on
+    the command line, a bad value, or a section this DeepSpeed removed."""
+    values = {dest: tuple(v) if isinstance(v, list) else v for dest, v in vars(args).items()}
+    explicit = frozenset(values.pop("explicit_flags", frozenset()))
+    values["explicit_flags"] = explicit
     if not user:
         return values, []
     ds_keys, removed = deepspeed_keys(), removed_deepspeed_keys()
-    flags = flags_by_json_key()
+    flags = json_flags()
     from_json, unknown = {}, []
     for key, value in user.items():
         if key in removed:
-            raise ValueError(f"--deepspeed_config {path}: {removed[key]}")
+            raise ConfigError(f"--deepspeed_config {path}: {removed[key]}")
         if key in ds_keys:
             continue
         if key not in flags:
             unknown.append(key)
             continue
-        action = flags[key]
-        flag, dest = action.option_strings[0], action.dest
-        converted = json_value_for_flag(action, key, value)
+        spec, stored = flags[key]
+        try:
+            converted = json_value(spec, stored, key, value)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        flag, dest = spec.spellings[0], spec.dest
         if dest in explicit:
             if converted != values[dest]:
-                raise _disagree(key, json.dumps(value), flag, _shown(values[dest]),
+                raise _disagree(key, json.dumps(value), flag, shown(values[dest]),
                                 "make them equal or drop the key from the JSON")
             continue
         if dest in from_json and from_json[dest][1] != converted:
             other = from_json[dest][0]
-            raise ValueError(f"DeepSpeed config {key}={json.dumps(value)} contradicts its {other}="
-                             f"{json.dumps(user[other])} (both set {flag}); keep one")
+            raise ConfigError(f"DeepSpeed config {key}={json.dumps(value)} contradicts its {other}="
+                              f"{json.dumps(user[other])} (both set {flag}); keep one")
         from_json[dest] = (key, converted)
         values[dest] = converted
+    values["explicit_flags"] = explicit | set(from_json)
     notes = []
     if from_json:
         notes.append((logging.INFO, f"DeepSpeed config {path} sets " + ", ".join(
-            f"{flags[key].option_strings[0]} {_shown(value)}" for key, value in from_json.values())))
+            f"{flags[key][0].spellings[0]} {shown(value)}" for key, value in from_json.values())))
     known = sorted(ds_keys | set(flags))
     for key in unknown:
         close = difflib.get_close_matches(key, known, n=1)
@@ -148,13 +158,9 @@ def log_notes(notes):
             logger.log(level, message)
 
 
-def _shown(value):
-    return " ".join(map(str, value)) if isinstance(value, list) else value
-
-
 def reconcile(values, user, data_parallel_size):
     """DeepSpeed's own keys against the flag values (merge_json_flags' output, required flags present): a new
-    dict in which unset flags take the JSON's batch, precision, ZeRO and clipping values. Raises ValueError on
+    dict in which unset flags take the JSON's batch, precision, ZeRO and clipping values. Raises ConfigError on
     any contradiction. The rules the values must then obey (batch divisibility, bf16 with fp16, offload
     without ZeRO, ...) are the configs' __post_init__ checks, not repeated here."""
     values = dict(values)
@@ -166,7 +172,7 @@ def reconcile(values, user, data_parallel_size):
         fix = f"set train_batch_size to {micro_key * gas * dp}"
         if total % (micro_key * dp) == 0:
             fix += f" or gradient_accumulation_steps to {total // (micro_key * dp)}"
-        raise ValueError(
+        raise ConfigError(
             f"DeepSpeed config contradicts itself: train_batch_size {total} must equal "
             f"train_micro_batch_size_per_gpu {micro_key} x gradient_accumulation_steps {gas} x data-parallel size "
             f"{dp} = {micro_key * gas * dp}; {fix}, or drop the batch keys and let the flags decide")
@@ -183,7 +189,7 @@ def reconcile(values, user, data_parallel_size):
                             "make them equal or drop train_batch_size from the JSON")
         global_name = f"DeepSpeed config train_batch_size {total}"
         if gas is None and total % per_step != 0:  # named as the JSON's key, not as --global-batch-size
-            raise ValueError(f"{global_name} is not divisible by --micro-batch-size {micro} x data-parallel size "
+            raise ConfigError(f"{global_name} is not divisible by --micro-batch-size {micro} x data-parallel size "
                              f"{dp} = {per_step}; {batch_fit_hint(total, micro, dp)}")
         global_batch = total
     if gas is not None:
@@ -196,7 +202,7 @@ def reconcile(values, user, data_parallel_size):
                 fix = (f"{global_batch} is not divisible by --micro-batch-size {micro} x data-parallel size {dp} = "
                        f"{per_step}: {batch_fit_hint(global_batch, micro, dp)}; then drop "
                        "gradient_accumulation_steps (it follows from the two)")
-            raise ValueError(
+            raise ConfigError(
                 f"DeepSpeed config gradient_accumulation_steps {gas} x --micro-batch-size {micro} x data-parallel "
                 f"size {dp} = {gas * per_step} differs from {global_name}; {fix}")
     values["global_batch_size"] = global_batch
@@ -208,16 +214,22 @@ def reconcile(values, user, data_parallel_size):
                             "to true (or remove it) in the JSON")
         values[name] = values[name] or enabled is True
 
+    given = values.get("explicit_flags", frozenset())  # on the command line or by a JSON key naming the flag
+    for key, spec, from_json in _same_settings():
+        found, value = _lookup(user, key)
+        if not found or value == "auto":
+            continue
+        if spec.dest in given:
+            if from_json(value) != values[spec.dest]:
+                flag_value = "(set)" if spec.is_switch else shown(values[spec.dest])
+                raise _disagree(key, json.dumps(value), spec.spellings[0], flag_value, "make them equal or drop one")
+        else:
+            values[spec.dest] = from_json(value)
+
     zero = user.get("zero_optimization", {})
-    stage = zero.get("stage")
-    if stage is not None and values["zero_stage"] is not None and stage != values["zero_stage"]:
-        raise _disagree("zero_optimization.stage", stage, "--zero-stage", values["zero_stage"],
-                        "make them equal or drop one")
-    if values["zero_stage"] is None:
-        values["zero_stage"] = stage
     device = zero.get("offload_optimizer", {}).get("device")
     if device == "nvme":
-        raise ValueError("DeepSpeed config zero_optimization.offload_optimizer.device=nvme is not supported: the "
+        raise ConfigError("DeepSpeed config zero_optimization.offload_optimizer.device=nvme is not supported: the "
                          "optimizer is built from the flags (torch's AdamW), which ZeRO can offload to the CPU only; "
                          "set the device to cpu (or pass --cpu-offload and drop offload_optimizer)")
     if device == "none" and values["cpu_offload"]:
@@ -225,6 +237,13 @@ def reconcile(values, user, data_parallel_size):
                         "drop --cpu-offload or set the device to cpu")
     values["cpu_offload"] = values["cpu_offload"] or device == "cpu"
 
+    kind = user.get("optimizer", {}).get("type")
+    if kind is not None:  # DeepSpeed's optimizer names for --optimizer's choices
+        ours = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}.get(str(kind).lower())
+        if ours is None or ("optimizer" in given and ours != values["optimizer"]):
+            raise _disagree("optimizer.type", kind, "--optimizer", values["optimizer"], "the optimizer is built "
+                            "from the flags (adam: AdamW, sgd): make them equal or drop the optimizer section")
+        values["optimizer"] = ours
     params = user.get("optimizer", {}).get("params", {})
     flag_values = {"lr": ("--lr", values["lr"]), "weight_decay": ("--weight-decay", values["weight_decay"]),
                    "eps": ("--adam-eps", values["adam_eps"]),
@@ -237,21 +256,37 @@ def reconcile(values, user, data_parallel_size):
             raise _disagree(f"optimizer.params.{key}", value, flag, flag_value,
                             "the optimizer is built from the flags: make them equal or drop the optimizer section")
     if "scheduler" in user:
-        raise ValueError("DeepSpeed config has a scheduler section; the LR schedule comes from --lr, --min-lr, "
+        raise ConfigError("DeepSpeed config has a scheduler section; the LR schedule comes from --lr, --min-lr, "
                          "--lr-decay-style, --lr-warmup-iters: remove the section")
-
-    clip = user.get("gradient_clipping")
-    if clip is not None and values["clip_grad"] is not None and clip != values["clip_grad"]:
-        raise _disagree("gradient_clipping", clip, "--clip-grad", values["clip_grad"], "make them equal or drop one")
-    if values["clip_grad"] is None:
-        values["clip_grad"] = clip  # None: OptimizerConfig's default
     return values
+
+
+# DeepSpeed's own keys that hold a flag's setting in another unit: {dotted key: (dest, JSON value -> flag value)}.
+_CONVERTED_SETTINGS = {"fp16.loss_scale": ("loss_scale", lambda v: v or None),  # 0: dynamic (the flag unset)
+                       "fp16.initial_scale_power": ("initial_loss_scale", lambda power: 2.0 ** power)}
+
+
+def _same_settings():
+    """(dotted DeepSpeed key, FlagSpec, JSON value -> flag value) of every flag whose setting DeepSpeed's JSON may
+    also hold: those declared with deepspeed="..." and _CONVERTED_SETTINGS."""
+    specs = {spec.dest: spec for spec in flag_specs()}
+    same = [(spec.deepspeed, spec, lambda v: v) for spec in specs.values() if spec.deepspeed]
+    return same + [(key, specs[dest], convert) for key, (dest, convert) in _CONVERTED_SETTINGS.items()]
+
+
+def _lookup(user, dotted):
+    """(found, value) of a dotted key ("zero_optimization.stage") in the JSON."""
+    node = user
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 def build_deepspeed_config(config, user):
     """The dict passed to deepspeed.initialize: the user's JSON with every reconciled value written in."""
-    from megatron.arguments import flags_by_json_key
-    flag_keys = flags_by_json_key()
+    flag_keys = json_flags()
     ds = {key: copy.deepcopy(value) for key, value in user.items()  # our flags' keys (lr, ...) went into config
           if key not in flag_keys or key in deepspeed_keys()}
     training, precision = config.training, config.precision
@@ -261,12 +296,11 @@ def build_deepspeed_config(config, user):
     ds["gradient_clipping"] = config.optimizer.clip_grad
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision.bf16}
     fp16 = {**ds.get("fp16", {}), "enabled": precision.fp16}
-    if precision.fp16:
-        fp16.setdefault("loss_scale", precision.loss_scale or 0)
-        fp16.setdefault("initial_scale_power", int(round(__import__("math").log2(precision.initial_loss_scale))))
-        fp16.setdefault("loss_scale_window", precision.loss_scale_window)
-        fp16.setdefault("hysteresis", precision.hysteresis)
-        fp16.setdefault("min_loss_scale", precision.min_loss_scale)
+    if precision.fp16:  # reconcile() made the JSON's values and the flags one
+        fp16.update(loss_scale=precision.loss_scale or 0,
+                    initial_scale_power=int(round(math.log2(precision.initial_loss_scale))),
+                    loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+                    min_loss_scale=precision.min_loss_scale)
     ds["fp16"] = fp16
     zero = {**ds.get("zero_optimization", {}), "stage": training.zero_stage}
     if training.cpu_offload:

@@ -18,6 +18,7 @@ import os
 
 # --pp-partition-method: upstream's layer class names -> this project's PipelineModule classes
 _PARTITION_TYPES = {"transformer": "BloomBlockPipe", "embedding": "EmbeddingPipe"}
+# upstream's flags refused in one line when given; arguments.py declares them from this table (they set no field)
 NOT_SUPPORTED = {
     "train_weighted_split_paths_path": "--train-weighted-split-paths-path",
     "valid_weighted_split_paths_path": "--valid-weighted-split-paths-path",
@@ -92,12 +93,13 @@ def pipeline_partition_method(value):
 
 
 def refused_flag(values):
-    """The one-line ValueError for a given flag this project does not implement, or None."""
+    """The one-line ConfigError for a given flag this project does not implement, or None."""
+    from megatron.config import ConfigError
     for dest, flag in NOT_SUPPORTED.items():
         if values.get(dest):
-            return ValueError(f"{flag} is not supported: per-dataset split ranges of upstream's weighted split "
-                              "paths are not implemented here; blend whole datasets with --data-path W1 PREFIX1 "
-                              "W2 PREFIX2 and one --split for all")
+            return ConfigError(f"{flag} is not supported: per-dataset split ranges of upstream's weighted split "
+                               "paths are not implemented here; blend whole datasets with --data-path W1 PREFIX1 "
+                               "W2 PREFIX2 and one --split for all")
     return None
 
 

@@ -28,29 +28,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.config import validate_parallel_sizes  # pure; re-exported (Megatron's place for it)
+
 
 def comm_device():
     """The device this process's collectives run on: its current CUDA device (NCCL), else the CPU (gloo)."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def validate_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size):
-    """Returns the data-parallel size, or raises ValueError naming the flags, the values and a fix."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
-                         "must be at least 1")
-    if world_size % (tp * pp) != 0:
-        fits = [f"TP {t} x PP {p}" for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)
-                if world_size % (t * p) == 0 and t * p <= world_size and t <= 8]
-        raise ValueError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} processes "
-            f"per model replica, which does not divide the {world_size} processes launched; "
-            f"launch a multiple of {tp * pp} processes or pick a layout that fits {world_size}: "
-            + ", ".join(fits[:6]))
-    return world_size // (tp * pp)
 
 
 @dataclass(frozen=True)

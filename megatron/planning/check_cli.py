@@ -10,7 +10,7 @@ from megatron.planning import collectives, environment
 
 
 def build_parser():
-    from megatron.arguments import ArgumentParser  # one-line errors, printed once per job
+    from megatron.arguments import ArgumentParser  # raises ConfigError with one line; main() prints it once
     p = ArgumentParser(description="Is this machine ready to train? Versions, GPUs, /dev/shm, the --save "
                                 "folder, fused kernels, gloo; with --collectives (under torchrun or deepspeed) "
                                 "NCCL/gloo bandwidths.", allow_abbrev=False)
@@ -95,5 +95,10 @@ def collectives_main(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    from megatron.config import ConfigError
+    from megatron.initialize import exit_before_distributed
+    try:
+        args = build_parser().parse_args(argv)
+    except ConfigError as err:  # a bad command line: one line, once per host, exit 2
+        exit_before_distributed(str(err), 2)
     sys.exit(collectives_main(args) if args.collectives else environment_main(args))

@@ -13,7 +13,7 @@ _FILLERS = (("--lr", "1e-4"), ("--train-iters", "1"))  # required by pretrain_bl
 
 
 def build_parser():
-    from megatron.arguments import ArgumentParser  # one-line errors, printed once per job
+    from megatron.arguments import ArgumentParser  # raises ConfigError with one line; main() prints it once
     p = ArgumentParser(
         description="Which TP x PP x DP x ZeRO x micro batch layout fits these GPUs, and which is fastest. "
                     "Every other flag is pretrain_bloom.py's (paste the launch line).", allow_abbrev=False)
@@ -36,7 +36,8 @@ def build_parser():
 
 
 def _launch_line(rest):
-    """pretrain_bloom.py's Namespace, its DeepSpeed JSON and the tokenizer's vocabulary size (None: mock)."""
+    """pretrain_bloom.py's Namespace, its DeepSpeed JSON, the tokenizer's vocabulary size (None: mock) and the
+    flag values merged with the JSON (merge_json_flags, run once)."""
     from megatron.arguments import parse_args
     from megatron.deepspeed_config import load_user_config, merge_json_flags
     rest = list(rest)
@@ -58,7 +59,7 @@ def _launch_line(rest):
     elif not values["mock_data"]:
         raise ValueError("pass the tokenizer flags of the run (--vocab-file/--merge-file or "
                          "--tokenizer-name-or-path), or --pad-vocab-size-to with --mock-data")
-    return args, user, vocab
+    return args, user, vocab, values
 
 
 def format_table(plans, hardware, top, closest=3):
@@ -95,8 +96,8 @@ def stage_lines(plan):
 def main(argv=None):
     from megatron.initialize import exit_before_distributed, setup_logging
     setup_logging()
-    ours, rest = build_parser().parse_known_args(argv)
-    try:
+    try:  # a bad command line (ours or pretrain_bloom.py's) raises ConfigError: printed once, exit 2
+        ours, rest = build_parser().parse_known_args(argv)
         spec = speed.gpu_spec(ours.gpu)
         if ours.num_gpus < 1:
             raise ValueError(f"--num-gpus {ours.num_gpus} must be positive")
@@ -110,8 +111,8 @@ def main(argv=None):
         hardware = planner.Hardware(ours.num_gpus, ours.gpu_memory_gib or spec["memory_gib"],
                                     ours.peak_tflops or spec["tflops"], ours.efficiency,
                                     speed.bandwidths_from(spec, ours.collectives_json), ours.memory_margin)
-        args, user, vocab = _launch_line(rest)
-        own, own_ds = planner.resolve(args, ours.num_gpus, user, None, vocab, cuda_available=True)
+        args, user, vocab, values = _launch_line(rest)
+        own, own_ds = planner.resolve(args, ours.num_gpus, user, None, vocab, cuda_available=True, merged=values)
     except ValueError as err:  # the launch line itself is refused: pretrain_bloom.py's message, once
         exit_before_distributed(str(err), 2)
     own_plan = planner.evaluate(own, hardware, own_ds)

@@ -104,10 +104,10 @@ def pinned_json_keys(user_json, best, own):
     return keys
 
 
-def resolve(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available=True):
+def resolve(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available=True, merged=None):
     """pretrain_bloom.py's resolve() (megatron.arguments), the one validation of a launch line."""
     from megatron.arguments import resolve as resolve_flags
-    return resolve_flags(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available)
+    return resolve_flags(args, world_size, user_json, saved_meta, tokenizer_vocab_size, cuda_available, merged)
 
 
 def resolve_layout(args, user_json, layout, global_batch, tokenizer_vocab_size):

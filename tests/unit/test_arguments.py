@@ -257,7 +257,9 @@ def test_deepspeed_keys_come_from_deepspeed():
                             "fix the value or drop the key"),
     ({"warmup": 10, "warmup_iters": 20}, "DeepSpeed config warmup_iters=20 contradicts its warmup=10 (both set "
                                          "--lr-warmup-iters); keep one"),
-], ids=["type", "choice", "integer", "two-keys"])
+    ({"rampup_batch_size": [2, 2]}, "DeepSpeed config rampup_batch_size=[2, 2] is not a valid --rampup-batch-size: "
+                                    "expected a list of 3 values; fix the value or drop the key"),
+], ids=["type", "choice", "integer", "two-keys", "count"])
 def test_bad_json_flag_values(doc_args, tmp_path, content, message):
     args, _ = with_json(without(doc_args, "--lr", "--lr-decay-style", "--log-interval", "--warmup"), tmp_path,
                         content)
@@ -334,7 +336,7 @@ def test_resolve_is_pure_and_leaves_the_namespace_alone():
     args = parse_args(MOCK + ["--deepspeed_config", "never-read.json", "--tensor-model-parallel-size", "2"])
     before = dict(vars(args))
     config, ds_dict = resolve(args, 8, {"clip_grad": 0.5, "gradient_accumulation_steps": 3}, None, 1000)
-    assert vars(args) == before  # clip_grad stays None, global_batch_size unset
+    assert vars(args) == before  # clip_grad stays 1.0 (its default), global_batch_size unset
     assert (config.parallel.data_parallel_size, config.training.global_batch_size, config.optimizer.clip_grad,
             config.model.vocab_size, config.deepspeed_config) == (4, 24, 0.5, 1024, "never-read.json")
     assert (ds_dict["train_batch_size"], ds_dict["gradient_accumulation_steps"], ds_dict["gradient_clipping"]) == \
@@ -346,6 +348,7 @@ def test_defaults_live_in_the_configs():
     config, ds_dict = resolve(parse_args(MOCK), 4, None, None, None)
     assert (config.training.global_batch_size, config.optimizer.clip_grad, config.training.zero_stage,
             config.model.vocab_size, config.parallel.distributed_backend) == (8, 1.0, 0, 50304, "gloo")
+    assert config.optimizer.lr_decay_style == "linear"  # Megatron's default
     assert (ds_dict["train_batch_size"], ds_dict["gradient_clipping"], ds_dict["zero_optimization"]) == \
         (8, 1.0, {"stage": 0})
     samples = [a for a in MOCK if a not in ("--train-iters", "10")] + ["--train-samples", "100", "--warmup", "0.25"]
@@ -403,27 +406,36 @@ def test_no_tokenizer_is_one_message_for_training_and_preprocessing(tmp_path):
     (["--misspeled-flag"], "unrecognized arguments: --misspeled-flag"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
 ], ids=["close", "unknown", "type"])
-def test_bad_command_line_is_one_line_on_the_first_rank_only(monkeypatch, caplog, capsys, argv, message):
+def test_bad_command_line_raises_and_the_entry_point_prints_it_once(monkeypatch, capsys, isolated_logging, argv,
+                                                                    message):
+    """The parser raises ConfigError carrying the line and prints nothing; pretrain_bloom.py prints it once (the
+    first local rank: no usage block) and exits 2, the other ranks silently with the same code."""
+    import pretrain_bloom
     from megatron import initialize
-    from megatron.arguments import build_parser, parse_args
+    from megatron.arguments import build_parser
+    from megatron.config import ConfigError
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as exit_, caplog.at_level(logging.ERROR):
+    with pytest.raises(ConfigError) as err:
         parse_args(argv)
-    assert exit_.value.code == 2
-    assert [r.getMessage() for r in caplog.records] == [f"{message}; see {build_parser().prog} --help"]
-    assert capsys.readouterr() == ("", "")  # no usage block
-    caplog.clear()
+    assert str(err.value) == f"{message}; see {build_parser().prog} --help"
+    assert capsys.readouterr() == ("", "")
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_bloom.main(argv)
+    out, stderr = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert [line.split("] ", 2)[2] for line in stderr.splitlines()] == [  # after "[time] [rank 0] "
+        f"ERROR megatron: {message}; see {build_parser().prog} --help"]
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(initialize, "_SILENT_RANK_GRACE_S", 0)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with pytest.raises(SystemExit) as exit_:
-            parse_args(argv)
+            pretrain_bloom.main(argv)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    assert exit_.value.code == 2 and caplog.records == [] and capsys.readouterr() == ("", "")
+    assert exit_.value.code == 2 and capsys.readouterr() == ("", "")
 
 
 def test_help_printed_by_the_first_rank_only(monkeypatch, capsys):
@@ -436,3 +448,72 @@ def test_help_printed_by_the_first_rank_only(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     assert "--log-level {debug,info,warning}" in capsys.readouterr().out
+
+
+def _field_defaults():
+    """{dest: (field default or MISSING, FlagSpec)} read from the config dataclasses themselves."""
+    import dataclasses
+    from megatron.config import FLAG_SECTIONS
+    return {f.name: (f.default, f.metadata["flag"]) for _, cls in FLAG_SECTIONS for f in dataclasses.fields(cls)
+            if "flag" in f.metadata}
+
+
+def test_every_flag_has_help_showing_its_config_default():
+    """Each flag comes from one config field: its parsed default is the field's, its help describes it and ends
+    with that default (or "required ..."); only the launcher's flags and upstream's refused ones set no field."""
+    import dataclasses
+    from megatron.arguments import LAUNCHER_FLAGS, build_parser
+    from megatron.flags import REQUIRED_TEXT, shown
+    from megatron.upstream_compat import NOT_SUPPORTED
+    fields = _field_defaults()
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    launcher = {s for spellings, _ in LAUNCHER_FLAGS for s in spellings} | set(NOT_SUPPORTED.values())
+    assert {a.dest for a in actions} - set(fields) == {s.lstrip("-").replace("-", "_") for s in launcher}
+    assert set(fields) <= {a.dest for a in actions}
+    for action in actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+        if action.dest not in fields:
+            shown_default = "off" if action.default is False else shown(action.default)
+            assert action.help.endswith(f" (default: {shown_default})"), action.option_strings
+            continue
+        default, spec = fields[action.dest]
+        if spec.required:
+            assert action.default is None and action.help.endswith("; " + REQUIRED_TEXT), action.option_strings
+            continue
+        assert default is not dataclasses.MISSING and action.default == default, action.option_strings
+        if action.option_strings == [spec.negation]:
+            continue
+        expected = spec.default_text if default is None and spec.default_text else shown(default)
+        assert action.help.endswith(f" (default: {expected})"), (action.option_strings, action.help)
+    by_flag = {s: a for a in actions for s in a.option_strings}
+    assert by_flag["--lr-decay-style"].help.endswith("(default: linear)")  # Megatron's default (was cosine too)
+    assert by_flag["--clip-grad"].default == 1.0 and by_flag["--zero-stage"].default == 0
+    assert by_flag["--lr"].default is None and by_flag["--model-parallel-size"].dest == "tensor_model_parallel_size"
+    assert (by_flag["--warmup"].dest, by_flag["--batch-size"].dest, by_flag["--dataset-impl"].dest,
+            by_flag["--deepspeed-config"].dest, by_flag["--local-rank"].dest) == (
+        "lr_warmup_iters", "global_batch_size", "data_impl", "deepspeed_config", "local_rank")
+
+
+def test_config_imports_no_torch_and_deepspeed_config_no_parser():
+    """config.py is pure (no torch, nothing of megatron.core); the DeepSpeed JSON module does not import the parser
+    (arguments.py imports it, never the reverse)."""
+    code = ("import sys; import megatron.config; print(sorted(m for m in sys.modules if m == 'torch' or "
+            "m.startswith('megatron.core'))); import megatron.deepspeed_config; print('torch' in sys.modules, "
+            "'megatron.arguments' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env({}), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "False False"]
+
+
+def test_json_is_merged_into_the_flags_once(monkeypatch, tmp_path):
+    from megatron import arguments
+    calls = []
+    merge = arguments.merge_json_flags
+    monkeypatch.setattr(arguments, "merge_json_flags", lambda *a: calls.append(a) or merge(*a))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"lr_decay_style": "cosine", "gradient_clipping": 0.5}))
+    config, ds_dict, _ = load_and_resolve(MOCK + ["--deepspeed_config", str(ds)], world_size=1)
+    assert len(calls) == 1
+    assert (config.optimizer.lr_decay_style, config.optimizer.clip_grad, ds_dict["gradient_clipping"]) == \
+        ("cosine", 0.5, 0.5)

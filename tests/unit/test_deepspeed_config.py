@@ -63,8 +63,25 @@ def test_json_key_contradicting_a_command_line_flag(user, message):
     (["--cpu-offload"], {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}},
      "DeepSpeed config zero_optimization.offload_optimizer.device=none contradicts --cpu-offload (set); drop "
      "--cpu-offload or set the device to cpu"),
+    (["--fp16", "--loss-scale-window", "500"], {"fp16": {"loss_scale_window": 1000}},
+     "DeepSpeed config fp16.loss_scale_window=1000 contradicts --loss-scale-window 500; make them equal or drop one"),
+    (["--initial-loss-scale", "65536"], {"fp16": {"initial_scale_power": 12}},
+     "DeepSpeed config fp16.initial_scale_power=12 contradicts --initial-loss-scale 65536.0; make them equal or "
+     "drop one"),
+    (["--loss-scale", "128"], {"fp16": {"loss_scale": 0}},
+     "DeepSpeed config fp16.loss_scale=0 contradicts --loss-scale 128.0; make them equal or drop one"),
+    (["--optimizer", "sgd"], {"optimizer": {"type": "AdamW"}},
+     "DeepSpeed config optimizer.type=AdamW contradicts --optimizer sgd; the optimizer is built from the flags (adam: "
+     "AdamW, sgd): make them equal or drop the optimizer section"),
+    ([], {"optimizer": {"type": "Lamb"}},
+     "DeepSpeed config optimizer.type=Lamb contradicts --optimizer adam; the optimizer is built from the flags (adam: "
+     "AdamW, sgd): make them equal or drop the optimizer section"),
+    (["--partition-activations"], {"activation_checkpointing": {"partition_activations": False}},
+     "DeepSpeed config activation_checkpointing.partition_activations=false contradicts --partition-activations "
+     "(set); make them equal or drop one"),
 ], ids=["zero", "clip", "global-batch", "micro-batch", "optimizer", "bf16-disabled", "fp16-disabled", "nvme",
-        "offload-none"])
+        "offload-none", "optimizer-type", "optimizer-unknown", "loss-scale-window", "initial-scale-power",
+        "static-scale", "partition-activations"])
 def test_deepspeed_key_contradicting_a_flag(extra, user, message):
     values, _ = merge_json_flags(parse_args(FLAGS + extra), user, "ds.json")
     with pytest.raises(ValueError) as err:
@@ -127,3 +144,20 @@ def test_offload_without_zero_is_refused():
     with pytest.raises(ValueError) as err:
         resolve(parse_args(FLAGS), 1, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, None, None)
     assert str(err.value) == "--cpu-offload needs ZeRO stage 1, 2 or 3 (got 0); add --zero-stage 2"
+
+
+def test_json_optimizer_type_sets_the_flag_not_given():
+    config, ds = resolve(parse_args(FLAGS), 1, {"optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}, None, None)
+    assert config.optimizer.optimizer == "sgd" and "optimizer" not in ds
+
+
+def test_json_fp16_settings_set_the_flags_not_given():
+    """DeepSpeed's fp16 keys hold the loss-scale flags' settings: the Config and the built dict agree with them."""
+    user = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 200,
+                     "hysteresis": 4, "min_loss_scale": 2}}
+    config, ds = resolve(parse_args(FLAGS + ["--min-loss-scale", "2"]), 1, user, None, None)
+    p = config.precision
+    assert (p.fp16, p.loss_scale, p.initial_loss_scale, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == \
+        (True, None, 4096.0, 200, 4, 2.0)
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 200,
+                          "hysteresis": 4, "min_loss_scale": 2.0}

@@ -1,4 +1,4 @@
-"""BigScience tr11 flags (megatron/upstream_compat.py, arguments._add_upstream_compat_args) and the upstream checkpoint
+"""BigScience tr11 flags (megatron/upstream_compat.py, declared on config.UpstreamConfig) and the upstream checkpoint
 name mapping (megatron/checkpoint/upstream.py): pure rules, values worked by hand in the comments."""
 import argparse
 
