@@ -1,0 +1,248 @@
+"""The fused decode step: one token for each running row, from a BloomModel's weights, in a few large kernels.
+
+A decode step of the model's own forward (the "unfused" path) runs ~19 kernels per block at batch 1, most of
+them latency-bound (LayerNorm, bias, GeLU, residual add, KV-cache index writes, a materialised ALiBi bias). This
+step runs the same maths as straight-line torch code split at the attention into segments that torch.compile
+can fuse (the LayerNorm with the residual add before it, the bias with GeLU, each bias and residual into its
+GEMM's epilogue where inductor picks a template for M <= 64):
+
+    head    tokens -> embedding -> embedding LayerNorm -> block 0's input LayerNorm -> QKV GEMM     (B, 3H)
+    mid_i   block i's dense GEMM + residual -> LayerNorm -> h->4h GEMM + GeLU -> 4h->h GEMM + residual
+            -> block i+1's input LayerNorm -> QKV GEMM                                               (B, 3H)
+    tail    the last block's rest -> final LayerNorm -> tied LM head -> fp32 logits, padding ids -inf (B, V)
+
+and between them `decode_attention`, one kernel per layer (Triton on CUDA) that writes the new key and value
+into the static cache at each row's own position and attends over that row's own keys 0..pos[b] only (no
+padding to the longest row, no bias tensor): softmax(q k^T * scale + slope_h * (j - pos)) v, in fp32.
+
+Rows are indirect: row b of the step decodes cache slot slots[b], so the engine packs its running rows into
+the first n rows (the batch bucket follows the number of running rows, not the highest slot in use); padding
+rows of a bucket point at a scratch slot nobody owns. All shapes are fixed per batch bucket (the kernel's loop
+bound is read from the device), so one CUDA graph per bucket serves every length, with or without compile.
+"""
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+# ---- attention over each row's own length ------------------------------------------------------------------
+
+def decode_attention_reference(qkv, k_cache, v_cache, slots, pos, slopes, scale):
+    """The torch version of decode_attention (any device): writes then attends over the whole cache, masked.
+
+    qkv (B, nh*3*hd) in BLOOM's per-head [q, k, v] layout; k_cache/v_cache (S, nh, T, hd) one layer's cache;
+    slots, pos (B,) int64; slopes (nh,) fp32. Returns the context (B, nh*hd).
+    """
+    b = qkv.shape[0]
+    nh, t, hd = k_cache.shape[1:]
+    q, k, v = qkv.view(b, nh, 3, hd).unbind(2)  # each (B, nh, hd)
+    k_cache[slots, :, pos] = k
+    v_cache[slots, :, pos] = v
+    keys, values = k_cache[slots], v_cache[slots]  # (B, nh, T, hd)
+    scores = torch.matmul(q[:, :, None], keys.transpose(-1, -2)).float() * scale  # (B, nh, 1, T)
+    distance = (torch.arange(t, device=qkv.device)[None, :] - pos[:, None])[:, None, None, :]  # (B, 1, 1, T) j - i
+    scores = scores + slopes[None, :, None, None] * distance.float()
+    scores = scores.masked_fill(distance > 0, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(qkv.dtype)
+    return torch.matmul(probs, values).reshape(b, nh * hd)  # (B, nh, 1, hd) -> (B, H)
+
+
+_TRITON_KERNEL = None
+
+
+def _triton_kernel():
+    """The Triton kernel, built on first use (triton is imported only on CUDA)."""
+    global _TRITON_KERNEL
+    if _TRITON_KERNEL is not None:
+        return _TRITON_KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, slopes_ptr, out_ptr, scale,
+                                stride_qkv, stride_slot, stride_head, stride_pos, stride_out,
+                                HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program per (row, head): online softmax over keys 0..pos in blocks of BLOCK_N
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        d = tl.arange(0, HD)
+        base = qkv_ptr + row * stride_qkv + head * 3 * HD
+        q = tl.load(base + d).to(tl.float32)
+        k_new = tl.load(base + HD + d)
+        v_new = tl.load(base + 2 * HD + d)
+        cache = slot * stride_slot + head * stride_head
+        tl.store(kc_ptr + cache + pos * stride_pos + d, k_new)
+        tl.store(vc_ptr + cache + pos * stride_pos + d, v_new)
+        slope = tl.load(slopes_ptr + head).to(tl.float32)
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([HD], dtype=tl.float32)
+        for start in range(0, pos + 1, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            valid = j <= pos
+            new = (j == pos)[:, None]  # this program's own store is not read back: the new key comes from qkv
+            offsets = cache + j[:, None] * stride_pos + d[None, :]
+            k = tl.load(kc_ptr + offsets, mask=valid[:, None], other=0.0)
+            k = tl.where(new, k_new[None, :], k).to(tl.float32)
+            s = tl.sum(k * q[None, :], axis=1) * scale + slope * (j - pos).to(tl.float32)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            v = tl.load(vc_ptr + offsets, mask=valid[:, None], other=0.0)
+            v = tl.where(new, v_new[None, :], v).to(tl.float32)
+            total = total * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        out = acc / total
+        tl.store(out_ptr + row * stride_out + head * HD + d, out.to(out_ptr.dtype.element_ty))
+
+    _TRITON_KERNEL = decode_attention_kernel
+    return _TRITON_KERNEL
+
+
+def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64):
+    """decode_attention_reference's contract in one Triton kernel that reads only keys 0..pos[b] of each row."""
+    b = qkv.shape[0]
+    nh, _, hd = k_cache.shape[1:]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1, \
+        (k_cache.stride(), v_cache.stride(), qkv.stride())
+    assert hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two for the Triton decode kernel"
+    out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
+    _triton_kernel()[(b, nh)](qkv, k_cache, v_cache, slots, pos, slopes, out, scale,
+                              qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+                              HD=hd, BLOCK_N=block_n)
+    return out
+
+
+def triton_available(device):
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- the segments between attentions (pure torch: torch.compile fuses them) --------------------------------
+
+def _layer_norm(x, weight, bias, eps):
+    if weight.dtype != x.dtype:  # MixedFusedLayerNorm: fp32 parameters and statistics, output in x's dtype
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln):
+    """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H))."""
+    ln = _layer_norm(x, ln_w, ln_b, eps)
+    return (ln if post_ln else x), F.linear(ln, qkv_w, qkv_b)
+
+
+def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln):
+    """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
+    x = residual + F.linear(context, dense_w, dense_b)
+    ln = _layer_norm(x, ln_w, ln_b, eps)
+    residual = ln if post_ln else x
+    return residual + F.linear(F.gelu(F.linear(ln, fc1_w, fc1_b), approximate="tanh"), fc2_w, fc2_b)
+
+
+def head_segment(tokens, emb, emb_ln_w, emb_ln_b, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln):
+    x = F.embedding(tokens, emb)  # (B, H)
+    if emb_ln_w is not None:
+        x = _layer_norm(x, emb_ln_w, emb_ln_b, eps)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln)
+
+
+def mid_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
+                ln_w, ln_b, qkv_w, qkv_b, eps, post_ln):
+    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln)
+
+
+def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
+                 final_w, final_b, emb, eps, post_ln, vocab_limit):
+    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln)
+    logits = F.linear(_layer_norm(x, final_w, final_b, eps), emb).float()  # (B, V)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_limit, float("-inf"))
+    return logits
+
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+class FusedDecoder:
+    """One decode step of a BloomModel (TP 1) over a StaticKVCache: (tokens, slots, pos) (B,) -> logits (B, V).
+
+    attention: "triton" (CUDA) or "torch" (decode_attention_reference); default: triton where available.
+    compile_mode: None (eager) or one of COMPILE_MODES for torch.compile of the segments (static shapes: one
+    compilation per batch bucket; CUDA graphs are the engine's, so inductor's own are off).
+    """
+
+    def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None):
+        if model.tp_size != 1:
+            raise ValueError(f"the fused decode step runs at tensor-parallel size 1 (got {model.tp_size}); "
+                             "build the InferenceEngine with decode='unfused'")
+        if compile_mode is not None and compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode {compile_mode!r} is not one of {', '.join(COMPILE_MODES)} (or None)")
+        config = model.config
+        self.eps = config.layernorm_epsilon
+        self.post_ln = config.apply_residual_connection_post_layernorm
+        self.vocab_limit = vocab_limit
+        self.cache = cache
+        self.scale = model.layers[0].self_attention.core_attention.scale
+
+        def w(t):
+            return None if t is None else t.detach()  # plain tensors: guards on shapes, not on which parameter
+
+        embedding = model.embedding
+        self.emb = w(embedding.word_embeddings.weight)
+        norm = embedding.word_embeddings_layernorm
+        self.emb_ln = (w(norm.weight), w(norm.bias)) if norm is not None else (None, None)
+        self.pre, self.post = [], []
+        for block in model.layers:
+            att, mlp = block.self_attention, block.mlp
+            self.pre.append((w(block.input_layernorm.weight), w(block.input_layernorm.bias),
+                             w(att.query_key_value.weight), w(att.query_key_value.bias)))
+            self.post.append((w(att.dense.weight), w(att.dense.bias), w(block.post_attention_layernorm.weight),
+                              w(block.post_attention_layernorm.bias), w(mlp.dense_h_to_4h.weight),
+                              w(mlp.dense_h_to_4h.bias), w(mlp.dense_4h_to_h.weight), w(mlp.dense_4h_to_h.bias)))
+        self.final = (w(model.final_layernorm.weight), w(model.final_layernorm.bias))
+
+        device = self.emb.device
+        if attention is None:
+            attention = "triton" if triton_available(device) else "torch"
+        if attention == "triton" and not triton_available(device):
+            raise ValueError("attention='triton' needs CUDA and the triton package; use attention='torch'")
+        self.attention_impl = attention
+        self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
+        self.compile_mode = compile_mode
+        self._head, self._mid, self._tail = head_segment, mid_segment, tail_segment
+        if compile_mode is not None:
+            import torch._dynamo.config as dynamo_config
+            # one compilation per batch bucket (1, 2, ..., 64, 128, ...) for each of the three segments
+            name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 16))
+            compile_ = lambda fn: torch.compile(fn, mode=compile_mode, dynamic=False, fullgraph=True)  # noqa: E731
+            self._head, self._mid, self._tail = compile_(head_segment), compile_(mid_segment), compile_(tail_segment)
+        logger.info(f"inference: fused decode step ({attention} attention, "
+                    f"{'eager' if compile_mode is None else 'torch.compile mode ' + compile_mode})")
+
+    def __call__(self, tokens, slots, pos):
+        """Writes each row's new key/value at pos[b] of slot slots[b] and returns fp32 logits (B, V)."""
+        cache, eps, post_ln = self.cache, self.eps, self.post_ln
+        last = len(self.pre) - 1
+        residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln)
+        for i in range(last + 1):
+            context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale)
+            if i < last:
+                residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln)
+        return self._tail(residual, context, *self.post[last], *self.final, self.emb, eps, post_ln,
+                          self.vocab_limit)
