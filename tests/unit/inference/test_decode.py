@@ -141,3 +141,22 @@ def test_triton_kernel_equals_the_torch_attention_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_parity_report_measures_the_divergence(pair):
+    from megatron.inference.parity import bf16_ulp, compare_rows
+    hf, _ = pair
+    for value in (1.0, 3.0, -0.3, 200.0):  # the next bf16 number above |value| minus |value|
+        x = torch.tensor(abs(value), dtype=torch.bfloat16)
+        up = (x.view(torch.int16) + 1).view(torch.bfloat16)
+        assert bf16_ulp(value) == float(up) - float(x)
+    ps = prompts((5, 9), seed=5)
+    theirs = [hf_greedy(hf, p, 6) for p in ps]
+    ours = [list(theirs[0]), theirs[1][:3] + [(theirs[1][3] + 1) % VOCAB] + theirs[1][4:]]
+    equal, report = compare_rows(hf, ps, ours, theirs)
+    assert equal == 1 and [(d["row"], d["index"], d["ours"], d["hf"]) for d in report] == \
+        [(1, 3, ours[1][3], theirs[1][3])]
+    ids = torch.tensor([ps[1] + theirs[1][:3]])
+    logits = hf(ids).logits[0, -1]
+    assert report[0]["hf_logit_gap"] == pytest.approx(float(logits[theirs[1][3]] - logits[ours[1][3]]), rel=1e-6)
+    assert report[0]["hf_logit_gap"] > 0
