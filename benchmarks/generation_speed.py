@@ -8,9 +8,9 @@
 Paths (InferenceEngine.generate, tools/generate_text.py's path): unfused = the model's own forward over the cache
 (the engine before issue 25); fused = megatron/inference/decode.py eager (Triton attention over each row's own
 length, packed rows) in CUDA graphs; compiled = the same with torch.compile (mode default); autotune = mode
-max-autotune-no-cudagraphs. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode);
-if that raises, the row falls back to HF's default generate and says so (hf_mode in the JSON); `default` = HF's
-default generate.
+max-autotune-no-cudagraphs. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
+at --hf-static-batch-sizes, HF's default generate at the others; if static raises, HF's default generate from
+then on, and the row says so (mode and note in the JSON); `default` = HF's default generate everywhere.
 
 Every side runs greedy decoding of the same random BLOOM, eos disabled, so each row generates exactly
 --new-tokens tokens; the first run of each is a warm-up (compilation, graph capture: its time is reported as
@@ -59,6 +59,8 @@ def parse_args(argv=None):
                              "default, or none (default: static on cuda, default on cpu)")
     parser.add_argument("--hf-compile-mode", default="default", help="torch.compile mode of HF's static path")
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None, help="default: every batch size")
+    parser.add_argument("--hf-static-batch-sizes", type=int, nargs="+", default=[1, 8],
+                        help="with --hf static: the batch sizes that try it (others: HF default generate)")
     parser.add_argument("--equality-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="memory bandwidth (H200: 4.8 TB/s)")
     parser.add_argument("--prefill-len", type=int, default=None, help="default: 2048 on cuda, 0 (skip) on cpu")
@@ -182,6 +184,7 @@ def main(argv=None):
 
     print(f"{'batch':>5} {'side':>9} {'tokens/s':>10} {'of bound':>8} {'warmup s':>9} {'peak GiB':>9} "
           f"{'rows = HF':>9}  notes", flush=True)
+    hf_static_failed = None
     for batch in args.batch_sizes:
         prompts = torch.randint(4, args.vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
         prompt_lists = prompts.tolist()
@@ -189,24 +192,9 @@ def main(argv=None):
         bound = bandwidth_bound_tokens_per_s(batch, weight_bytes, kv_per_position, mean_context,
                                              args.bandwidth_tbps * 1e12)
         row = {"batch": batch, "bound_tokens_per_s": bound, "sides": {}}
+        report["rows"].append(row)
         outputs = {}
         with torch.no_grad():
-            if args.hf != "none" and batch in args.hf_batch_sizes:
-                ids = prompts.to(device)
-                mode, note = args.hf, ""
-                try:
-                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode),
-                                               device, args.repeats)
-                except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
-                    note = f"static+compile failed ({type(err).__name__}: {str(err).splitlines()[0][:120]}); " \
-                           "HF default generate"
-                    mode = "default"
-                    torch._dynamo.reset()
-                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None), device, args.repeats)
-                outputs["hf"] = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode)()
-                row["sides"]["hf"] = {"mode": mode if mode == "default" else f"static+compile({args.hf_compile_mode})",
-                                      "tokens_per_s": tokens / best, "of_bound": tokens / best / bound,
-                                      "warmup_s": warm, "peak_gib": peak, "note": note}
             for path in args.paths:
                 engine = InferenceEngine(ours, max_batch_size=batch, max_seq_len=max_seq, eod_id=None, **PATHS[path])
                 result = {}
@@ -226,6 +214,28 @@ def main(argv=None):
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                save()
+            if args.hf != "none" and batch in args.hf_batch_sizes:
+                ids = prompts.to(device)
+                static = args.hf == "static" and batch in args.hf_static_batch_sizes
+                mode, note = ("static" if static and hf_static_failed is None else "default"), ""
+                if static and hf_static_failed is not None:
+                    note = f"static+compile failed before ({hf_static_failed}); HF default generate"
+                try:
+                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode),
+                                               device, args.repeats)
+                except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
+                    if mode != "static":
+                        raise
+                    hf_static_failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    note = f"static+compile failed ({hf_static_failed}); HF default generate"
+                    mode = "default"
+                    torch._dynamo.reset()
+                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None), device, args.repeats)
+                outputs["hf"] = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode)()
+                row["sides"]["hf"] = {"mode": mode if mode == "default" else f"static+compile({args.hf_compile_mode})",
+                                      "tokens_per_s": tokens / best, "of_bound": tokens / best / bound,
+                                      "warmup_s": warm, "peak_gib": peak, "note": note}
         for side_name, side in row["sides"].items():
             if side_name != "hf" and "hf" in outputs and batch in args.equality_batches:
                 equal, diffs = compare_rows(hf, prompt_lists, outputs[side_name], outputs["hf"])
@@ -238,7 +248,6 @@ def main(argv=None):
                   + (f" rows = unfused: {side['rows_equal_to_unfused']}/{batch}" if "rows_equal_to_unfused" in side
                      else "") + f" {side.get('note', '')}".rstrip(), flush=True)
         print(f"{batch:>5} {'bound':>9} {bound:>10.1f}", flush=True)
-        report["rows"].append(row)
         save()
 
     if args.prefill_len:

@@ -69,7 +69,7 @@ def _triton_kernel():
         row = tl.program_id(0)
         head = tl.program_id(1)
         slot = tl.load(slots_ptr + row).to(tl.int64)
-        pos = tl.load(pos_ptr + row).to(tl.int64)
+        pos = tl.load(pos_ptr + row).to(tl.int32)
         d = tl.arange(0, HD)
         base = qkv_ptr + row * stride_qkv + head * 3 * HD
         q = tl.load(base + d).to(tl.float32)

@@ -7,7 +7,6 @@ from transformers import BloomConfig, BloomForCausalLM
 
 from megatron.config import ModelConfig
 from megatron.inference import InferenceEngine, SamplingParams
-from megatron.inference import decode as decode_module
 from megatron.model import BloomModel
 from megatron.model.hf_bloom import from_hf_state_dict
 
