@@ -138,37 +138,49 @@ def _layer_norm(x, weight, bias, eps):
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
-def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln):
+def _linear(x, weight, bias, gemv):
+    """x W^T + b. gemv (under inductor's coordinate-descent tuning): at one row, a matmul and an add, which inductor
+    lowers to one tuned reduction kernel with the bias fused (its mm decomposition for M = 1; addmm has none)."""
+    if gemv and x.shape[0] == 1:
+        y = torch.matmul(x, weight.t())
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
     """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H))."""
     ln = _layer_norm(x, ln_w, ln_b, eps)
-    return (ln if post_ln else x), F.linear(ln, qkv_w, qkv_b)
+    return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv)
 
 
-def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln):
+def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
+                    gemv):
     """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
-    x = residual + F.linear(context, dense_w, dense_b)
+    x = residual + _linear(context, dense_w, dense_b, gemv)
     ln = _layer_norm(x, ln_w, ln_b, eps)
     residual = ln if post_ln else x
-    return residual + F.linear(F.gelu(F.linear(ln, fc1_w, fc1_b), approximate="tanh"), fc2_w, fc2_b)
+    return residual + _linear(F.gelu(_linear(ln, fc1_w, fc1_b, gemv), approximate="tanh"), fc2_w, fc2_b, gemv)
 
 
-def head_segment(tokens, emb, emb_ln_w, emb_ln_b, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln):
+def head_segment(tokens, emb, emb_ln_w, emb_ln_b, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
     x = F.embedding(tokens, emb)  # (B, H)
     if emb_ln_w is not None:
         x = _layer_norm(x, emb_ln_w, emb_ln_b, eps)
-    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv)
 
 
 def mid_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
-                ln_w, ln_b, qkv_w, qkv_b, eps, post_ln):
-    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln)
-    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln)
+                ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
+                        gemv)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv)
 
 
 def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
-                 final_w, final_b, emb, eps, post_ln, vocab_limit):
-    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln)
-    logits = F.linear(_layer_norm(x, final_w, final_b, eps), emb).float()  # (B, V)
+                 final_w, final_b, emb, eps, post_ln, gemv, vocab_limit):
+    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
+                        gemv)
+    logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv).float()  # (B, V)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_limit, float("-inf"))
@@ -183,7 +195,10 @@ class FusedDecoder:
 
     attention: "triton" (CUDA) or "torch" (decode_attention_reference); default: triton where available.
     compile_mode: None (eager) or one of COMPILE_MODES for torch.compile of the segments (static shapes: one
-    compilation per batch bucket; CUDA graphs are the engine's, so inductor's own are off).
+    compilation per batch bucket; CUDA graphs are the engine's, so inductor's own are off). With
+    max-autotune-no-cudagraphs inductor also autotunes the GEMMs (cuBLAS or its Triton templates, for M <= 64) and,
+    as gpt-fast does, turns on coordinate-descent tuning (process-wide), under which a one-row GEMM becomes a
+    tuned reduction kernel.
     """
 
     def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None):
@@ -224,12 +239,17 @@ class FusedDecoder:
         self.attention_impl = attention
         self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
         self.compile_mode = compile_mode
+        self.gemv = False
         self._head, self._mid, self._tail = head_segment, mid_segment, tail_segment
         if compile_mode is not None:
             import torch._dynamo.config as dynamo_config
             # one compilation per batch bucket (1, 2, ..., 64, 128, ...) for each of the three segments
             name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 16))
+            self.gemv = compile_mode == "max-autotune-no-cudagraphs"
+            if self.gemv:
+                import torch._inductor.config as inductor_config
+                inductor_config.coordinate_descent_tuning = True
             compile_ = lambda fn: torch.compile(fn, mode=compile_mode, dynamic=False, fullgraph=True)  # noqa: E731
             self._head, self._mid, self._tail = compile_(head_segment), compile_(mid_segment), compile_(tail_segment)
         logger.info(f"inference: fused decode step ({attention} attention, "
@@ -237,12 +257,12 @@ class FusedDecoder:
 
     def __call__(self, tokens, slots, pos):
         """Writes each row's new key/value at pos[b] of slot slots[b] and returns fp32 logits (B, V)."""
-        cache, eps, post_ln = self.cache, self.eps, self.post_ln
+        cache, eps, post_ln, gemv = self.cache, self.eps, self.post_ln, self.gemv
         last = len(self.pre) - 1
-        residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln)
+        residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln, gemv)
         for i in range(last + 1):
             context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale)
             if i < last:
-                residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln)
-        return self._tail(residual, context, *self.post[last], *self.final, self.emb, eps, post_ln,
+                residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln, gemv)
+        return self._tail(residual, context, *self.post[last], *self.final, self.emb, eps, post_ln, gemv,
                           self.vocab_limit)

@@ -159,3 +159,12 @@ def test_parity_report_measures_the_divergence(pair):
     logits = hf(ids).logits[0, -1]
     assert report[0]["hf_logit_gap"] == pytest.approx(float(logits[theirs[1][3]] - logits[ours[1][3]]), rel=1e-6)
     assert report[0]["hf_logit_gap"] > 0
+
+
+def test_the_one_row_matmul_form_gives_the_same_tokens(pair):
+    """decoder.gemv (set under max-autotune: x @ W^T + b as a matmul and an add at one row) changes no token."""
+    hf, ours = pair
+    ps = prompts((9,), seed=6)
+    eng = engine(ours, "fused", max_batch_size=1)
+    eng.decoder.gemv = True
+    assert eng.generate(ps, SamplingParams(greedy=True, max_new_tokens=20)) == [hf_greedy(hf, ps[0], 20)]
