@@ -50,62 +50,6 @@ def decode_attention_reference(qkv, k_cache, v_cache, slots, pos, slopes, scale)
     return torch.matmul(probs, values).reshape(b, nh * hd)  # (B, nh, 1, hd) -> (B, H)
 
 
-_TRITON_KERNEL = None
-
-
-def _triton_kernel():
-    """The Triton kernel, built on first use (triton is imported only on CUDA)."""
-    global _TRITON_KERNEL
-    if _TRITON_KERNEL is not None:
-        return _TRITON_KERNEL
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, slopes_ptr, out_ptr, scale,
-                                stride_qkv, stride_slot, stride_head, stride_pos, stride_out,
-                                HD: tl.constexpr, BLOCK_N: tl.constexpr):
-        # one program per (row, head): online softmax over keys 0..pos in blocks of BLOCK_N
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        pos = tl.load(pos_ptr + row).to(tl.int32)
-        d = tl.arange(0, HD)
-        base = qkv_ptr + row * stride_qkv + head * 3 * HD
-        q = tl.load(base + d).to(tl.float32)
-        k_new = tl.load(base + HD + d)
-        v_new = tl.load(base + 2 * HD + d)
-        cache = slot * stride_slot + head * stride_head
-        tl.store(kc_ptr + cache + pos * stride_pos + d, k_new)
-        tl.store(vc_ptr + cache + pos * stride_pos + d, v_new)
-        slope = tl.load(slopes_ptr + head).to(tl.float32)
-        m = tl.full([], float("-inf"), tl.float32)
-        total = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros([HD], dtype=tl.float32)
-        for start in range(0, pos + 1, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            valid = j <= pos
-            new = (j == pos)[:, None]  # this program's own store is not read back: the new key comes from qkv
-            offsets = cache + j[:, None] * stride_pos + d[None, :]
-            k = tl.load(kc_ptr + offsets, mask=valid[:, None], other=0.0)
-            k = tl.where(new, k_new[None, :], k).to(tl.float32)
-            s = tl.sum(k * q[None, :], axis=1) * scale + slope * (j - pos).to(tl.float32)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
-            v = tl.load(vc_ptr + offsets, mask=valid[:, None], other=0.0)
-            v = tl.where(new, v_new[None, :], v).to(tl.float32)
-            total = total * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m = m_new
-        out = acc / total
-        tl.store(out_ptr + row * stride_out + head * HD + d, out.to(out_ptr.dtype.element_ty))
-
-    _TRITON_KERNEL = decode_attention_kernel
-    return _TRITON_KERNEL
-
-
 def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64):
     """decode_attention_reference's contract in one Triton kernel that reads only keys 0..pos[b] of each row."""
     b = qkv.shape[0]
@@ -114,9 +58,10 @@ def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, bl
         (k_cache.stride(), v_cache.stride(), qkv.stride())
     assert hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two for the Triton decode kernel"
     out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
-    _triton_kernel()[(b, nh)](qkv, k_cache, v_cache, slots, pos, slopes, out, scale,
-                              qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-                              HD=hd, BLOCK_N=block_n)
+    from megatron.inference.triton_decode import decode_attention_kernel
+    decode_attention_kernel[(b, nh)](qkv, k_cache, v_cache, slots, pos, slopes, out, scale,
+                                     qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     out.stride(0), HD=hd, BLOCK_N=block_n)
     return out
 
 
@@ -232,8 +177,9 @@ class FusedDecoder:
         self.final = (w(model.final_layernorm.weight), w(model.final_layernorm.bias))
 
         device = self.emb.device
-        if attention is None:
-            attention = "triton" if triton_available(device) else "torch"
+        head_dim = cache.k.shape[-1]
+        if attention is None:  # the kernel's head dimension is one block: a power of two
+            attention = "triton" if triton_available(device) and head_dim & (head_dim - 1) == 0 else "torch"
         if attention == "triton" and not triton_available(device):
             raise ValueError("attention='triton' needs CUDA and the triton package; use attention='torch'")
         self.attention_impl = attention
