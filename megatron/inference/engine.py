@@ -98,8 +98,9 @@ class InferenceEngine:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.cuda_graphs = cuda_graphs
-        if decode is None:
-            decode = "fused" if tp_size == 1 else "unfused"
+        if decode is None:  # the fused step reads a whole BloomModel's weights at TP 1
+            whole = all(hasattr(model, name) for name in ("embedding", "final_layernorm", "tp_size"))
+            decode = "fused" if tp_size == 1 and whole else "unfused"
         if decode not in ("fused", "unfused"):
             raise ValueError(f"decode={decode!r}: choose 'fused' or 'unfused'")
         self.decode = decode
