@@ -233,7 +233,10 @@ def main(argv=None):
                     torch._dynamo.reset()
                     warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None), device, args.repeats)
                 outputs["hf"] = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode)()
-                row["sides"]["hf"] = {"mode": mode if mode == "default" else f"static+compile({args.hf_compile_mode})",
+                if mode == "static":  # transformers compiles only where its criteria hold (else it warns, skips)
+                    compiled = getattr(hf, "_compiled_call", None) is not None
+                    mode = f"static+compile({args.hf_compile_mode})" if compiled else "static, not compiled"
+                row["sides"]["hf"] = {"mode": mode,
                                       "tokens_per_s": tokens / best, "of_bound": tokens / best / bound,
                                       "warmup_s": warm, "peak_gib": peak, "note": note}
         for side_name, side in row["sides"].items():

@@ -90,7 +90,7 @@ def test_bf16_against_hf_divergences_are_near_ties(compile_mode):
                          pad_token_id=3)[:, 32:].tolist()
     got = InferenceEngine(ours, max_batch_size=8, max_seq_len=128, compile_mode=compile_mode).generate(
         ps, SamplingParams(greedy=True, max_new_tokens=n))
-    equal, report = compare_rows(hf, ps, got, theirs, near_tie_ulps=4.0)
+    equal, report = compare_rows(hf, ps, got, theirs, near_tie_ulps=8.0)
     print(f"bf16 vs HF ({compile_mode}): {equal}/8 rows equal; {describe(report)}")
     assert all(d["near_tie"] for d in report), describe(report)
 
