@@ -140,14 +140,14 @@ def measure(fn, device, repeats):
     return warm, best, peak_gib(device)
 
 
-def hf_runner(hf, ids, new_tokens, mode, compile_mode):
-    def run():
+def hf_runner(hf, ids, new_tokens, mode, compile_mode, result):
+    def run():  # result["out"]: the latest run's new tokens
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                       do_sample=False, pad_token_id=3, eos_token_id=None)
         if mode == "static":
             from transformers import CompileConfig
             kwargs.update(cache_implementation="static", compile_config=CompileConfig(mode=compile_mode))
-        return hf.generate(ids, **kwargs)[:, ids.shape[1]:].tolist()
+        result["out"] = hf.generate(ids, **kwargs)[:, ids.shape[1]:].tolist()
     return run
 
 
@@ -216,14 +216,14 @@ def main(argv=None):
                     torch.cuda.empty_cache()
                 save()
             if args.hf != "none" and batch in args.hf_batch_sizes:
-                ids = prompts.to(device)
+                ids, hf_result = prompts.to(device), {}
                 static = args.hf == "static" and batch in args.hf_static_batch_sizes
                 mode, note = ("static" if static and hf_static_failed is None else "default"), ""
                 if static and hf_static_failed is not None:
                     note = f"static+compile failed before ({hf_static_failed}); HF default generate"
+                run_hf = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode, hf_result)
                 try:
-                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode),
-                                               device, args.repeats)
+                    warm, best, peak = measure(run_hf, device, args.repeats)
                 except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
                     if mode != "static":
                         raise
@@ -231,8 +231,9 @@ def main(argv=None):
                     note = f"static+compile failed ({hf_static_failed}); HF default generate"
                     mode = "default"
                     torch._dynamo.reset()
-                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None), device, args.repeats)
-                outputs["hf"] = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode)()
+                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None, hf_result), device,
+                                               args.repeats)
+                outputs["hf"] = hf_result["out"]
                 if mode == "static":  # transformers compiles only where its criteria hold (else it warns, skips)
                     compiled = getattr(hf, "_compiled_call", None) is not None
                     mode = f"static+compile({args.hf_compile_mode})" if compiled else "static, not compiled"
