@@ -50,19 +50,39 @@ def decode_attention_reference(qkv, k_cache, v_cache, slots, pos, slopes, scale)
     return torch.matmul(probs, values).reshape(b, nh * hd)  # (B, nh, 1, hd) -> (B, H)
 
 
-def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64):
-    """decode_attention_reference's contract in one Triton kernel that reads only keys 0..pos[b] of each row."""
+def split_plan(batch, heads, max_len, block_n=64, target_programs=256):
+    """(keys per split, number of splits): enough (row, head, split) programs to fill the GPU at a small batch,
+    splits of whole blocks, one split once batch x heads reaches target_programs."""
+    blocks = -(-max_len // block_n)
+    splits = max(1, min(blocks, target_programs // max(1, batch * heads)))
+    split = -(-blocks // splits) * block_n
+    return split, -(-max_len // split)
+
+
+def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256):
+    """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row."""
+    from megatron.inference.triton_decode import combine_kernel, decode_attention_kernel
     b = qkv.shape[0]
-    nh, _, hd = k_cache.shape[1:]
+    nh, t, hd = k_cache.shape[1:]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1, \
         (k_cache.stride(), v_cache.stride(), qkv.stride())
     assert hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two for the Triton decode kernel"
+    split, splits = split_plan(b, nh, t, block_n, target_programs)
     out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
-    from megatron.inference.triton_decode import decode_attention_kernel
-    decode_attention_kernel[(b, nh)](qkv, k_cache, v_cache, slots, pos, slopes, out, scale,
-                                     qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     out.stride(0), HD=hd, BLOCK_N=block_n)
+    part = torch.empty(b * nh * splits * hd if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
+    stat = torch.empty(b * nh * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
+    decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, scale,
+                                             qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+                                             k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n, SPLIT=split,
+                                             NUM_SPLITS=splits)
+    if splits > 1:
+        combine_kernel[(b, nh)](part, stat, out, out.stride(0), HD=hd, NUM_SPLITS=splits,
+                                SPLITS_P2=triton_next_power_of_2(splits))
     return out
+
+
+def triton_next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
 
 
 def triton_available(device):

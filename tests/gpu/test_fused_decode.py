@@ -28,14 +28,15 @@ def prompts(batch, seed=1, low=5, high=40):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_attention_equals_torch(dtype):
+@pytest.mark.parametrize("b", [1, 3, 8, 32])  # 10, 5, 2 and 1 splits of the keys (decode.split_plan)
+def test_triton_attention_equals_torch(dtype, b):
     gen = torch.Generator().manual_seed(0)
-    slots_n, nh, t, hd, b = 9, 16, 600, 128, 8
+    slots_n, nh, t, hd = 33, 16, 600, 128
     kc = torch.randn(slots_n, nh, t, hd, generator=gen).to("cuda", dtype)
     vc = torch.randn(slots_n, nh, t, hd, generator=gen).to("cuda", dtype)
     qkv = torch.randn(b, nh * 3 * hd, generator=gen).to("cuda", dtype)
-    slots = torch.tensor([8, 0, 3, 3 + 1, 5, 6, 7, 1], device="cuda")
-    pos = torch.tensor([0, 1, 63, 64, 65, 300, 598, 599], device="cuda")
+    slots = torch.tensor([8, 0, 3, 4, 5, 6, 7, 1] + list(range(9, 33)), device="cuda")[:b]
+    pos = torch.tensor([599, 1, 63, 64, 65, 300, 598, 0] * 4, device="cuda")[:b]
     slopes = torch.linspace(0.5, 0.004, nh, device="cuda")
     k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want = decode_attention_reference(qkv, k1, v1, slots, pos, slopes, hd ** -0.5)
