@@ -181,3 +181,17 @@ def test_the_one_row_matmul_form_gives_the_same_tokens(pair):
     eng = engine(ours, "fused", max_batch_size=1)
     eng.decoder.gemv = True
     assert eng.generate(ps, SamplingParams(greedy=True, max_new_tokens=20)) == [hf_greedy(hf, ps[0], 20)]
+
+
+@pytest.mark.parametrize("decode", ["fused", "unfused"])
+def test_greedy_never_sorts_the_vocabulary(pair, monkeypatch, decode):
+    _, ours = pair
+    want = engine(ours, decode).generate(prompts((7, 3)), SamplingParams(greedy=True, max_new_tokens=6))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the vocabulary was sorted on the greedy path")
+    monkeypatch.setattr(torch, "sort", refuse)
+    monkeypatch.setattr(torch, "topk", refuse)
+    assert engine(ours, decode).generate(prompts((7, 3)), SamplingParams(greedy=True, max_new_tokens=6)) == want
+    with pytest.raises(AssertionError, match="sorted"):  # a filtered sampled row does sort
+        engine(ours, decode).generate(prompts((7,)), SamplingParams(top_p=0.9, max_new_tokens=2))
