@@ -65,6 +65,7 @@ def parse_args(argv=None):
     parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="memory bandwidth (H200: 4.8 TB/s)")
     parser.add_argument("--prefill-len", type=int, default=None, help="default: 2048 on cuda, 0 (skip) on cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf-repeats", type=int, default=None, help="HF's timed runs (default: --repeats)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--skip-hf", action="store_true", help="ours only (= --hf none)")
     parser.add_argument("--profile", action="store_true", help="top CUDA kernels of each path's decode steps")
@@ -80,6 +81,7 @@ def parse_args(argv=None):
     args.paths = args.paths or (["unfused", "fused", "compiled"] if cuda else ["unfused", "fused"])
     args.hf = "none" if args.skip_hf else (args.hf or ("static" if cuda else "default"))
     args.hf_batch_sizes = args.hf_batch_sizes or args.batch_sizes
+    args.hf_repeats = args.hf_repeats or args.repeats
     args.prefill_len = (2048 if cuda else 0) if args.prefill_len is None else args.prefill_len
     return args
 
@@ -223,7 +225,7 @@ def main(argv=None):
                     note = f"static+compile failed before ({hf_static_failed}); HF default generate"
                 run_hf = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode, hf_result)
                 try:
-                    warm, best, peak = measure(run_hf, device, args.repeats)
+                    warm, best, peak = measure(run_hf, device, args.hf_repeats)
                 except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
                     if mode != "static":
                         raise
@@ -232,7 +234,7 @@ def main(argv=None):
                     mode = "default"
                     torch._dynamo.reset()
                     warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None, hf_result), device,
-                                               args.repeats)
+                                               args.hf_repeats)
                 outputs["hf"] = hf_result["out"]
                 if mode == "static":  # transformers compiles only where its criteria hold (else it warns, skips)
                     compiled = getattr(hf, "_compiled_call", None) is not None
