@@ -16,7 +16,8 @@ Every side runs greedy decoding of the same random BLOOM, eos disabled, so each 
 --new-tokens tokens; the first run of each is a warm-up (compilation, graph capture: its time is reported as
 warmup_s), then the best of --repeats. The bandwidth bound is batch x --bandwidth-tbps / bytes read per step
 (every weight once + the keys/values of each row's average context); the fraction is measured / bound.
-Rows equal to HF: at --equality-batches, per row, with each divergence measured on HF's own logits (a bf16
+Ours runs at every batch size first, then HF (a row per side as it is measured; at --equality-batches our
+rows again with the count of rows equal to HF's). Rows equal to HF: per row, with each divergence measured on HF's own logits (a bf16
 near-tie or not: megatron/inference/parity.py). Prefill: the time to the first token of one --prefill-len
 prompt. The JSON is rewritten after every batch size, so a run cut short keeps what it measured.
 """
@@ -186,7 +187,16 @@ def main(argv=None):
 
     print(f"{'batch':>5} {'side':>9} {'tokens/s':>10} {'of bound':>8} {'warmup s':>9} {'peak GiB':>9} "
           f"{'rows = HF':>9}  notes", flush=True)
-    hf_static_failed = None
+    def show(batch, name, side):
+        same = f"{side['rows_equal_to_hf']}/{batch}" if "rows_equal_to_hf" in side else "-"
+        unfused = side.get("rows_equal_to_unfused")
+        print(f"{batch:>5} {name:>9} {side['tokens_per_s']:>10.1f} {side['of_bound']:>8.1%} {side['warmup_s']:>9.1f} "
+              f"{side['peak_gib']:>9.2f} {same:>9}  {side.get('mode', '')}"
+              + ("" if unfused is None else f" rows = unfused: {unfused}/{batch}")
+              + f" {side.get('note', '')}".rstrip(), flush=True)
+
+    # ours at every batch size first (a slow HF compilation cannot cost our figures), then HF and the parity
+    runs = []
     for batch in args.batch_sizes:
         prompts = torch.randint(4, args.vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
         prompt_lists = prompts.tolist()
@@ -196,6 +206,8 @@ def main(argv=None):
         row = {"batch": batch, "bound_tokens_per_s": bound, "sides": {}}
         report["rows"].append(row)
         outputs = {}
+        runs.append((batch, prompts, row, outputs))
+        print(f"{batch:>5} {'bound':>9} {bound:>10.1f}", flush=True)
         with torch.no_grad():
             for path in args.paths:
                 engine = InferenceEngine(ours, max_batch_size=batch, max_seq_len=max_seq, eod_id=None, **PATHS[path])
@@ -210,6 +222,7 @@ def main(argv=None):
                 if path != "unfused" and "unfused" in outputs:
                     side["rows_equal_to_unfused"] = sum(a == b for a, b in zip(outputs[path], outputs["unfused"]))
                 row["sides"][path] = side
+                show(batch, path, side)
                 if args.profile and device.type == "cuda":
                     profile_decode(engine, prompt_lists, path)
                 del engine
@@ -217,43 +230,43 @@ def main(argv=None):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 save()
-            if args.hf != "none" and batch in args.hf_batch_sizes:
-                ids, hf_result = prompts.to(device), {}
-                static = args.hf == "static" and batch in args.hf_static_batch_sizes
-                mode, note = ("static" if static and hf_static_failed is None else "default"), ""
-                if static and hf_static_failed is not None:
-                    note = f"static+compile failed before ({hf_static_failed}); HF default generate"
-                run_hf = hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode, hf_result)
-                try:
-                    warm, best, peak = measure(run_hf, device, args.hf_repeats)
-                except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
-                    if mode != "static":
-                        raise
-                    hf_static_failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-                    note = f"static+compile failed ({hf_static_failed}); HF default generate"
-                    mode = "default"
-                    torch._dynamo.reset()
-                    warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None, hf_result), device,
-                                               args.hf_repeats)
-                outputs["hf"] = hf_result["out"]
-                if mode == "static":  # transformers compiles only where its criteria hold (else it warns, skips)
-                    compiled = getattr(hf, "_compiled_call", None) is not None
-                    mode = f"static+compile({args.hf_compile_mode})" if compiled else "static, not compiled"
-                row["sides"]["hf"] = {"mode": mode,
-                                      "tokens_per_s": tokens / best, "of_bound": tokens / best / bound,
-                                      "warmup_s": warm, "peak_gib": peak, "note": note}
-        for side_name, side in row["sides"].items():
-            if side_name != "hf" and "hf" in outputs and batch in args.equality_batches:
-                equal, diffs = compare_rows(hf, prompt_lists, outputs[side_name], outputs["hf"])
-                side.update(rows_equal_to_hf=equal, divergences=diffs)
-                side["note"] = describe(diffs)
-            same = f"{side['rows_equal_to_hf']}/{batch}" if "rows_equal_to_hf" in side else "-"
-            print(f"{batch:>5} {side_name:>9} {side['tokens_per_s']:>10.1f} {side['of_bound']:>8.1%} "
-                  f"{side['warmup_s']:>9.1f} {side['peak_gib']:>9.2f} {same:>9}  "
-                  f"{side.get('mode', '')}"
-                  + (f" rows = unfused: {side['rows_equal_to_unfused']}/{batch}" if "rows_equal_to_unfused" in side
-                     else "") + f" {side.get('note', '')}".rstrip(), flush=True)
-        print(f"{batch:>5} {'bound':>9} {bound:>10.1f}", flush=True)
+
+    hf_static_failed = None
+    for batch, prompts, row, outputs in runs:
+        if args.hf == "none" or batch not in args.hf_batch_sizes:
+            continue
+        tokens, bound = batch * args.new_tokens, row["bound_tokens_per_s"]
+        ids, hf_result = prompts.to(device), {}
+        static = args.hf == "static" and batch in args.hf_static_batch_sizes
+        mode, note = ("static" if static and hf_static_failed is None else "default"), ""
+        if static and hf_static_failed is not None:
+            note = f"static+compile failed before ({hf_static_failed}); HF default generate"
+        with torch.no_grad():
+            try:
+                warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode, hf_result),
+                                           device, args.hf_repeats)
+            except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
+                if mode != "static":
+                    raise
+                hf_static_failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                note = f"static+compile failed ({hf_static_failed}); HF default generate"
+                mode = "default"
+                torch._dynamo.reset()
+                warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None, hf_result), device,
+                                           args.hf_repeats)
+        outputs["hf"] = hf_result["out"]
+        if mode == "static":  # transformers compiles only where its criteria hold (else it warns, skips)
+            compiled = getattr(hf, "_compiled_call", None) is not None
+            mode = f"static+compile({args.hf_compile_mode})" if compiled else "static, not compiled"
+        row["sides"]["hf"] = {"mode": mode, "tokens_per_s": tokens / best, "of_bound": tokens / best / bound,
+                              "warmup_s": warm, "peak_gib": peak, "note": note}
+        show(batch, "hf", row["sides"]["hf"])
+        if batch in args.equality_batches:
+            for name in args.paths:
+                side = row["sides"][name]
+                equal, diffs = compare_rows(hf, prompts.tolist(), outputs[name], outputs["hf"])
+                side.update(rows_equal_to_hf=equal, divergences=diffs, note=describe(diffs))
+                show(batch, name, side)
         save()
 
     if args.prefill_len:
