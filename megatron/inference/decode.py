@@ -85,6 +85,29 @@ def triton_next_power_of_2(n):
     return 1 << (n - 1).bit_length()
 
 
+_CHECKED = {}
+
+
+def _triton_check(dtype, head_dim, device):
+    """'' if the Triton kernels compile and agree with the torch attention on a small case, else why not."""
+    key = (dtype, head_dim, device)
+    if key not in _CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        kc = torch.randn(3, 2, 200, head_dim, generator=gen).to(device, dtype)
+        vc = torch.randn(3, 2, 200, head_dim, generator=gen).to(device, dtype)
+        qkv = torch.randn(2, 2 * 3 * head_dim, generator=gen).to(device, dtype)
+        slots, pos = torch.tensor([2, 0], device=device), torch.tensor([150, 7], device=device)
+        slopes = torch.tensor([0.5, 0.25], device=device)
+        try:
+            want = decode_attention_reference(qkv, kc.clone(), vc.clone(), slots, pos, slopes, head_dim ** -0.5)
+            got = decode_attention_triton(qkv, kc.clone(), vc.clone(), slots, pos, slopes, head_dim ** -0.5)
+            error = float((got.float() - want.float()).abs().max())
+            _CHECKED[key] = "" if error < 0.05 else f"max error {error:.3g} against the torch attention"
+        except Exception as err:  # noqa: BLE001  a broken toolchain: reported, the torch attention serves
+            _CHECKED[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return _CHECKED[key]
+
+
 def triton_available(device):
     if torch.device(device).type != "cuda":
         return False
@@ -200,6 +223,12 @@ class FusedDecoder:
         head_dim = cache.k.shape[-1]
         if attention is None:  # the kernel's head dimension is one block: a power of two
             attention = "triton" if triton_available(device) and head_dim & (head_dim - 1) == 0 else "torch"
+            if attention == "triton":
+                failure = _triton_check(cache.k.dtype, head_dim, str(device))
+                if failure:
+                    logger.warning(f"inference: the Triton decode attention failed its check ({failure}); "
+                                   "using the torch attention")
+                    attention = "torch"
         if attention == "triton" and not triton_available(device):
             raise ValueError("attention='triton' needs CUDA and the triton package; use attention='torch'")
         self.attention_impl = attention
