@@ -210,12 +210,21 @@ def main(argv=None):
         print(f"{batch:>5} {'bound':>9} {bound:>10.1f}", flush=True)
         with torch.no_grad():
             for path in args.paths:
-                engine = InferenceEngine(ours, max_batch_size=batch, max_seq_len=max_seq, eod_id=None, **PATHS[path])
-                result = {}
+                engine, result = None, {}
 
                 def run_ours():
                     result["out"] = engine.generate(prompt_lists, params)
-                warm, best, peak = measure(run_ours, device, args.repeats)
+                try:
+                    engine = InferenceEngine(ours, max_batch_size=batch, max_seq_len=max_seq, eod_id=None,
+                                             **PATHS[path])
+                    warm, best, peak = measure(run_ours, device, args.repeats)
+                except Exception as err:  # noqa: BLE001  one path failing (a compiler error) costs only its row
+                    error = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err) else ''}"
+                    row["sides"][path] = {"error": error}
+                    print(f"{batch:>5} {path:>9} failed: {error}", flush=True)
+                    engine = None
+                    save()
+                    continue
                 outputs[path] = result["out"]
                 side = {"tokens_per_s": tokens / best, "of_bound": tokens / best / bound, "warmup_s": warm,
                         "peak_gib": peak}
@@ -225,7 +234,7 @@ def main(argv=None):
                 show(batch, path, side)
                 if args.profile and device.type == "cuda":
                     profile_decode(engine, prompt_lists, path)
-                del engine
+                engine = None
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -264,6 +273,8 @@ def main(argv=None):
         if batch in args.equality_batches:
             for name in args.paths:
                 side = row["sides"][name]
+                if name not in outputs:
+                    continue
                 equal, diffs = compare_rows(hf, prompts.tolist(), outputs[name], outputs["hf"])
                 side.update(rows_equal_to_hf=equal, divergences=diffs, note=describe(diffs))
                 show(batch, name, side)
