@@ -1,17 +1,28 @@
-"""Benchmark: generation tokens/s of our engine (tools/generate_text.py's path) against HF generate, same weights.
+"""Benchmark: generation tokens/s of our engine's decode paths side by side with HF generate, same weights.
 
     python benchmarks/generation_speed.py --device cuda            # the document's 1.72B model in bf16 on a GPU
     python benchmarks/generation_speed.py                          # a small fp32 model on the CPU
-        [--batch-sizes 1 8 32 --prompt-len 32 --new-tokens 256 --prefill-len 2048 --repeats 3 --output FILE.json]
+        [--batch-sizes 1 8 32 64 --paths unfused fused compiled autotune --hf static|default|none
+         --prompt-len 32 --new-tokens 256 --prefill-len 2048 --repeats 3 --output FILE.json]
 
-Both sides run greedy decoding of the same random BLOOM, eos disabled so every row generates exactly --new-tokens
-tokens, in the same process; the runs alternate and the best of --repeats is reported (the first run of each
-shape is a warm-up: CUDA-graph capture on our side). Prefill: the time to the first token of one --prefill-len
-prompt (ours: prefill with the LM head on the last position; HF: generate with max_new_tokens=1). Peak memory
-is the GPU's peak allocated during each side's runs, weights included. --profile prints the top CUDA kernels of
-one decode step of ours at each batch size.
+Paths (InferenceEngine.generate, tools/generate_text.py's path): unfused = the model's own forward over the cache
+(the engine before issue 25); fused = megatron/inference/decode.py eager (Triton attention over each row's own
+length, packed rows) in CUDA graphs; compiled = the same with torch.compile (mode default); autotune = mode
+max-autotune-no-cudagraphs. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
+at --hf-static-batch-sizes, HF's default generate at the others; if static raises, HF's default generate from
+then on, and the row says so (mode and note in the JSON); `default` = HF's default generate everywhere.
+
+Every side runs greedy decoding of the same random BLOOM, eos disabled, so each row generates exactly
+--new-tokens tokens; the first run of each is a warm-up (compilation, graph capture: its time is reported as
+warmup_s), then the best of --repeats. The bandwidth bound is batch x --bandwidth-tbps / bytes read per step
+(every weight once + the keys/values of each row's average context); the fraction is measured / bound.
+Ours runs at every batch size first, then HF (a row per side as it is measured; at --equality-batches our
+rows again with the count of rows equal to HF's). Rows equal to HF: per row, with each divergence measured on HF's own logits (a bf16
+near-tie or not: megatron/inference/parity.py). Prefill: the time to the first token of one --prefill-len
+prompt. The JSON is rewritten after every batch size, so a run cut short keeps what it measured.
 """
 import argparse
+import gc
 import json
 import os
 import platform
@@ -24,6 +35,9 @@ import torch  # noqa: E402
 
 DOCUMENT_MODEL = dict(layers=24, hidden=2048, heads=16, vocab=250880)
 SMALL_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
+PATHS = {"unfused": dict(decode="unfused"), "fused": dict(decode="fused"),
+         "compiled": dict(decode="fused", compile_mode="default"),
+         "autotune": dict(decode="fused", compile_mode="max-autotune-no-cudagraphs")}
 
 
 def parse_args(argv=None):
@@ -37,12 +51,25 @@ def parse_args(argv=None):
                         help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 256 on cuda, 64 on cpu")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: 1 8 32 on cuda, 1 8 on cpu")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="default: 1 8 32 64 on cuda, 1 8 on cpu")
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=None,
+                        help="our decode paths (default: unfused fused compiled on cuda, unfused fused on cpu)")
+    parser.add_argument("--hf", choices=["static", "default", "none"], default=None,
+                        help="HF generate: static cache + torch.compile (falls back to default on an error), "
+                             "default, or none (default: static on cuda, default on cpu)")
+    parser.add_argument("--hf-compile-mode", default="default", help="torch.compile mode of HF's static path")
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None, help="default: every batch size")
+    parser.add_argument("--hf-static-batch-sizes", type=int, nargs="+", default=[1, 8],
+                        help="with --hf static: the batch sizes that try it (others: HF default generate)")
+    parser.add_argument("--equality-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="memory bandwidth (H200: 4.8 TB/s)")
     parser.add_argument("--prefill-len", type=int, default=None, help="default: 2048 on cuda, 0 (skip) on cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf-repeats", type=int, default=None, help="HF's timed runs (default: --repeats)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--skip-hf", action="store_true", help="ours only")
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="ours only (= --hf none)")
+    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of each path's decode steps")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -51,9 +78,19 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     args.new_tokens = args.new_tokens or (256 if cuda else 64)
-    args.batch_sizes = args.batch_sizes or ([1, 8, 32] if cuda else [1, 8])
+    args.batch_sizes = args.batch_sizes or ([1, 8, 32, 64] if cuda else [1, 8])
+    args.paths = args.paths or (["unfused", "fused", "compiled"] if cuda else ["unfused", "fused"])
+    args.hf = "none" if args.skip_hf else (args.hf or ("static" if cuda else "default"))
+    args.hf_batch_sizes = args.hf_batch_sizes or args.batch_sizes
+    args.hf_repeats = args.hf_repeats or args.repeats
     args.prefill_len = (2048 if cuda else 0) if args.prefill_len is None else args.prefill_len
     return args
+
+
+def bandwidth_bound_tokens_per_s(batch, weight_bytes, kv_bytes_per_position, mean_context, bandwidth_bytes_per_s):
+    """Tokens/s if a decode step only streamed every weight once and each row's keys/values over its context."""
+    step_bytes = weight_bytes + batch * kv_bytes_per_position * mean_context
+    return batch * bandwidth_bytes_per_s / step_bytes
 
 
 def sync(device):
@@ -98,8 +135,28 @@ def build_models(args, device, dtype):
     return hf, ours.eval()
 
 
+def measure(fn, device, repeats):
+    """(warm-up seconds, best seconds of `repeats`, peak GiB) of fn()."""
+    reset_peak(device)
+    warm = timed(fn, device)
+    best = min(timed(fn, device) for _ in range(repeats))
+    return warm, best, peak_gib(device)
+
+
+def hf_runner(hf, ids, new_tokens, mode, compile_mode, result):
+    def run():  # result["out"]: the latest run's new tokens
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                      do_sample=False, pad_token_id=3, eos_token_id=None)
+        if mode == "static":
+            from transformers import CompileConfig
+            kwargs.update(cache_implementation="static", compile_config=CompileConfig(mode=compile_mode))
+        result["out"] = hf.generate(ids, **kwargs)[:, ids.shape[1]:].tolist()
+    return run
+
+
 def main(argv=None):
     from megatron.inference import InferenceEngine, SamplingParams
+    from megatron.inference.parity import compare_rows, describe
 
     args = parse_args(argv)
     if args.threads:
@@ -111,102 +168,147 @@ def main(argv=None):
     hf, ours = build_models(args, device, dtype)
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens)
     max_seq = max(args.prompt_len + args.new_tokens, args.prefill_len + 1)
-    engines = {}
-
-    def engine_for(batch):
-        if batch not in engines:
-            engines.clear()  # one cache at a time
-            engines[batch] = InferenceEngine(ours, max_batch_size=batch, max_seq_len=max_seq, eod_id=None)
-        return engines[batch]
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    weights_gb = sum(p.numel() * p.element_size() for p in ours.parameters()) / 1e9
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    kv_per_position = 2 * args.layers * args.hidden * torch.finfo(dtype).bits // 8  # keys + values, every layer
+    mean_context = args.prompt_len + (args.new_tokens - 1) / 2  # keys a decode step reads, averaged over the steps
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
-          f"({sum(p.numel() for p in ours.parameters()) / 1e9:.2f}B params, {weights_gb:.2f} GB), {args.dtype}, "
-          f"{name}, torch {torch.__version__}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
-    rows = []
-    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} {'ours GiB':>9} {'HF GiB':>8} {'same':>5}")
+          f"({sum(p.numel() for p in ours.parameters()) / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB), "
+          f"{args.dtype}, {name}, torch {torch.__version__}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
+          f"tokens, greedy; bound: {args.bandwidth_tbps} TB/s over the weights + each row's keys/values", flush=True)
+    report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "args": vars(args),
+              "weight_bytes": weight_bytes, "rows": [], "prefill": None}
+
+    def save():
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=2)
+
+    print(f"{'batch':>5} {'side':>9} {'tokens/s':>10} {'of bound':>8} {'warmup s':>9} {'peak GiB':>9} "
+          f"{'rows = HF':>9}  notes", flush=True)
+    def show(batch, name, side):
+        same = f"{side['rows_equal_to_hf']}/{batch}" if "rows_equal_to_hf" in side else "-"
+        unfused = side.get("rows_equal_to_unfused")
+        print(f"{batch:>5} {name:>9} {side['tokens_per_s']:>10.1f} {side['of_bound']:>8.1%} {side['warmup_s']:>9.1f} "
+              f"{side['peak_gib']:>9.2f} {same:>9}  {side.get('mode', '')}"
+              + ("" if unfused is None else f" rows = unfused: {unfused}/{batch}")
+              + f" {side.get('note', '')}".rstrip(), flush=True)
+
+    # ours at every batch size first (a slow HF compilation cannot cost our figures), then HF and the parity
+    runs = []
     for batch in args.batch_sizes:
         prompts = torch.randint(4, args.vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
         prompt_lists = prompts.tolist()
-        hf_ids = prompts.to(device)
-        engine = engine_for(batch)
-        result = {}
-
-        def run_ours():
-            result["ours"] = engine.generate(prompt_lists, params)
-
-        def run_hf():
-            out = hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=args.new_tokens,
-                              min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=3, eos_token_id=None)
-            result["hf"] = out[:, args.prompt_len:].tolist()
-
-        sides = [run_ours] + ([] if args.skip_hf else [run_hf])
-        with torch.no_grad():
-            for fn in sides:  # warm-up (graph capture)
-                fn()
-            best, peaks = [float("inf")] * len(sides), [0.0] * len(sides)
-            for _ in range(args.repeats):
-                for i, fn in enumerate(sides):
-                    reset_peak(device)
-                    best[i] = min(best[i], timed(fn, device))
-                    peaks[i] = max(peaks[i], peak_gib(device))
         tokens = batch * args.new_tokens
-        row = {"batch": batch, "ours_tokens_per_s": tokens / best[0], "ours_peak_gib": peaks[0]}
-        if not args.skip_hf:
-            same = sum(a == b for a, b in zip(result["ours"], result["hf"]))
-            row.update(hf_tokens_per_s=tokens / best[1], hf_peak_gib=peaks[1], ratio=best[1] / best[0],
-                       rows_equal_to_hf=f"{same}/{batch}")
-            print(f"{batch:>5} {row['ours_tokens_per_s']:>11.1f} {row['hf_tokens_per_s']:>10.1f} "
-                  f"{row['ratio']:>8.2f} {peaks[0]:>9.2f} {peaks[1]:>8.2f} {same:>2}/{batch}")
-        else:
-            print(f"{batch:>5} {row['ours_tokens_per_s']:>11.1f} {'-':>10} {'-':>8} {peaks[0]:>9.2f}")
-        rows.append(row)
-        if args.profile and device.type == "cuda":
-            profile_decode(engine, prompt_lists)
+        bound = bandwidth_bound_tokens_per_s(batch, weight_bytes, kv_per_position, mean_context,
+                                             args.bandwidth_tbps * 1e12)
+        row = {"batch": batch, "bound_tokens_per_s": bound, "sides": {}}
+        report["rows"].append(row)
+        outputs = {}
+        runs.append((batch, prompts, row, outputs))
+        print(f"{batch:>5} {'bound':>9} {bound:>10.1f}", flush=True)
+        with torch.no_grad():
+            for path in args.paths:
+                engine, result = None, {}
 
-    prefill = None
+                def run_ours():
+                    result["out"] = engine.generate(prompt_lists, params)
+                try:
+                    engine = InferenceEngine(ours, max_batch_size=batch, max_seq_len=max_seq, eod_id=None,
+                                             **PATHS[path])
+                    warm, best, peak = measure(run_ours, device, args.repeats)
+                except Exception as err:  # noqa: BLE001  one path failing (a compiler error) costs only its row
+                    error = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err) else ''}"
+                    row["sides"][path] = {"error": error}
+                    print(f"{batch:>5} {path:>9} failed: {error}", flush=True)
+                    engine = None
+                    save()
+                    continue
+                outputs[path] = result["out"]
+                side = {"tokens_per_s": tokens / best, "of_bound": tokens / best / bound, "warmup_s": warm,
+                        "peak_gib": peak}
+                if path != "unfused" and "unfused" in outputs:
+                    side["rows_equal_to_unfused"] = sum(a == b for a, b in zip(outputs[path], outputs["unfused"]))
+                row["sides"][path] = side
+                show(batch, path, side)
+                if args.profile and device.type == "cuda":
+                    profile_decode(engine, prompt_lists, path)
+                engine = None
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                save()
+
+    hf_static_failed = None
+    for batch, prompts, row, outputs in runs:
+        if args.hf == "none" or batch not in args.hf_batch_sizes:
+            continue
+        tokens, bound = batch * args.new_tokens, row["bound_tokens_per_s"]
+        ids, hf_result = prompts.to(device), {}
+        static = args.hf == "static" and batch in args.hf_static_batch_sizes
+        mode, note = ("static" if static and hf_static_failed is None else "default"), ""
+        if static and hf_static_failed is not None:
+            note = f"static+compile failed before ({hf_static_failed}); HF default generate"
+        with torch.no_grad():
+            try:
+                warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, args.hf_compile_mode, hf_result),
+                                           device, args.hf_repeats)
+            except Exception as err:  # noqa: BLE001  reported, then HF's default generate instead
+                if mode != "static":
+                    raise
+                hf_static_failed = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                note = f"static+compile failed ({hf_static_failed}); HF default generate"
+                mode = "default"
+                torch._dynamo.reset()
+                warm, best, peak = measure(hf_runner(hf, ids, args.new_tokens, mode, None, hf_result), device,
+                                           args.hf_repeats)
+        outputs["hf"] = hf_result["out"]
+        if mode == "static":  # transformers compiles only where its criteria hold (else it warns, skips)
+            compiled = getattr(hf, "_compiled_call", None) is not None
+            mode = f"static+compile({args.hf_compile_mode})" if compiled else "static, not compiled"
+        row["sides"]["hf"] = {"mode": mode, "tokens_per_s": tokens / best, "of_bound": tokens / best / bound,
+                              "warmup_s": warm, "peak_gib": peak, "note": note}
+        show(batch, "hf", row["sides"]["hf"])
+        if batch in args.equality_batches:
+            for name in args.paths:
+                side = row["sides"][name]
+                if name not in outputs:
+                    continue
+                equal, diffs = compare_rows(hf, prompts.tolist(), outputs[name], outputs["hf"])
+                side.update(rows_equal_to_hf=equal, divergences=diffs, note=describe(diffs))
+                show(batch, name, side)
+        save()
+
     if args.prefill_len:
         prompt = torch.randint(4, args.vocab, (1, args.prefill_len), generator=torch.Generator().manual_seed(2))
         one = SamplingParams(greedy=True, max_new_tokens=1)
-        engine = engine_for(1)
+        engine = InferenceEngine(ours, max_batch_size=1, max_seq_len=max_seq, eod_id=None)
         hf_ids = prompt.to(device)
-
-        def prefill_ours():
-            engine.generate(prompt.tolist(), one)
-
-        def prefill_hf():
-            hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=1, do_sample=False,
-                        pad_token_id=3, eos_token_id=None)
-
-        sides = [prefill_ours] + ([] if args.skip_hf else [prefill_hf])
+        sides = {"ours": lambda: engine.generate(prompt.tolist(), one)}
+        if args.hf != "none":
+            sides["hf"] = lambda: hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=1,
+                                              do_sample=False, pad_token_id=3, eos_token_id=None)
         with torch.no_grad():
-            for fn in sides:
-                fn()
-            best = [min(timed(fn, device) for _ in range(args.repeats)) for fn in sides]
-        prefill = {"tokens": args.prefill_len, "ours_ms": best[0] * 1e3}
-        if not args.skip_hf:
-            prefill.update(hf_ms=best[1] * 1e3, ratio=best[1] / best[0])
-        print(f"prefill of {args.prefill_len} tokens (time to the first token): ours {best[0] * 1e3:.1f} ms"
-              + ("" if args.skip_hf else f", HF {best[1] * 1e3:.1f} ms ({best[1] / best[0]:.2f}x)"))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                       "args": vars(args), "rows": rows, "prefill": prefill}, f, indent=2)
+            best = {k: measure(fn, device, args.repeats)[1] for k, fn in sides.items()}
+        report["prefill"] = {"tokens": args.prefill_len, **{f"{k}_ms": v * 1e3 for k, v in best.items()}}
+        print(f"prefill of {args.prefill_len} tokens (time to the first token): "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()), flush=True)
+        save()
 
 
-def profile_decode(engine, prompts, steps=32):
-    """Top CUDA kernels over `steps` decode steps of ours (after a warm-up generation)."""
+def profile_decode(engine, prompts, label, steps=32):
+    """Top CUDA kernels over `steps` decode steps (after a warm-up generation)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron.inference import SamplingParams
 
     params = SamplingParams(greedy=True, max_new_tokens=steps + 1)
-    with torch.no_grad():
-        engine.generate(prompts, params)
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            engine.generate(prompts, params, steps_per_sync=steps)
-            torch.cuda.synchronize()
+    engine.generate(prompts, params)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        engine.generate(prompts, params, steps_per_sync=steps)
+        torch.cuda.synchronize()
+    print(f"-- {label}, batch {len(prompts)}: {steps} decode steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 

@@ -2,6 +2,9 @@
 
     engine.py     InferenceEngine: static KV cache, batched/chunked prefill, CUDA-graph decode, continuous batching
     kv_cache.py   StaticKVCache: the slots x positions cache and its attention
+    decode.py     FusedDecoder: the fused decode step (segments for torch.compile, per-row-length attention;
+                  triton_decode.py holds its Triton kernel)
+    parity.py     greedy parity with HF per row, each divergence measured (bf16 near-ties)
     sampling.py   SamplingParams, per-row greedy/temperature/top-k/top-p sampling with hashed seeds
     scoring.py    Scorer: token log-probs on any TP x PP layout (LM head on scored positions only, padding rows of
                   the vocabulary masked): evaluation (megatron/evaluation) and the server's logprobs/echo

@@ -13,8 +13,16 @@ when it produces eod or reaches its max_new_tokens, and a waiting request takes 
 
 Per decode step the device holds all per-row state (next input token, position, token count, done flag, sampling
 parameters) and the generated tokens, so `step(num_steps=n)` runs n steps with no host synchronisation and copies
-results to the host once. On CUDA each (batch bucket, kv-length bucket) decode step is captured once as a CUDA
-graph and replayed; shapes are bucketed, never recompiled per length.
+results to the host once. On CUDA each decode step shape is captured once as a CUDA graph and replayed.
+
+Two decode paths (`decode=`):
+    fused    (default at TP 1) megatron/inference/decode.py's step: the blocks' maths in a few segments (fused by
+             torch.compile with compile_mode=...) around a Triton attention kernel that writes the new key/value
+             and attends over each row's own length. Running rows are packed into the first n rows of the step
+             (the batch bucket is the smallest one >= n, whatever slots they hold); one graph per batch bucket.
+    unfused  the model's own forward over the cache (TP > 1): rows 0..max slot, attention over the first
+             multiple of kv_bucket positions that holds every row; one graph per (batch, kv-length) bucket.
+Greedy rows take the argmax of the logits; the vocabulary is sorted only when a sampled row filters (top-k/p).
 """
 import heapq
 import itertools
@@ -65,10 +73,14 @@ class InferenceEngine:
     cuda_graphs: capture decode steps (default: on CUDA at TP 1). kv_bucket: decode attends over the first
     multiple of kv_bucket positions that holds every running row. sync_tokens: called with each step's tokens,
     returns the tokens every rank uses (tensor parallelism: rank 0's choice).
+    decode: "fused" or "unfused" (default: fused at TP 1). compile_mode: for the fused step, None (eager) or a
+    torch.compile mode ("default", "max-autotune-no-cudagraphs"); decode_attention: "triton" or "torch"
+    (default: triton on CUDA).
     """
 
     def __init__(self, model, max_batch_size=8, max_seq_len=None, eod_id=None, vocab_limit=None,
-                 prefill_chunk=2048, cuda_graphs=None, kv_bucket=256, sync_tokens=None):
+                 prefill_chunk=2048, cuda_graphs=None, kv_bucket=256, sync_tokens=None, decode=None,
+                 compile_mode=None, decode_attention=None):
         config = model.config
         self.model = model
         self.device = next(model.parameters()).device
@@ -86,10 +98,21 @@ class InferenceEngine:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.cuda_graphs = cuda_graphs
+        if decode is None:  # the fused step reads a whole BloomModel's weights at TP 1
+            whole = all(hasattr(model, name) for name in ("embedding", "final_layernorm", "tp_size"))
+            decode = "fused" if tp_size == 1 and whole else "unfused"
+        if decode not in ("fused", "unfused"):
+            raise ValueError(f"decode={decode!r}: choose 'fused' or 'unfused'")
+        self.decode = decode
         attention = model.layers[0].self_attention
-        self.cache = StaticKVCache(config.num_layers, max_batch_size, attention.heads_per_partition,
+        # slot max_batch_size is scratch: the fused step's padding rows write their keys there
+        self.cache = StaticKVCache(config.num_layers, max_batch_size + 1, attention.heads_per_partition,
                                    self.max_seq_len, attention.head_dim, self.dtype, self.device,
                                    attention.core_attention.slopes)
+        self.decoder = None
+        if decode == "fused":
+            from megatron.inference.decode import FusedDecoder
+            self.decoder = FusedDecoder(model, self.cache, vocab_limit, decode_attention, compile_mode)
         self.max_new_cap = self.max_seq_len
         self._init_slot_state()
         self.waiting = deque()
@@ -99,9 +122,14 @@ class InferenceEngine:
         self._graphs = {}
         self._pool = None
         self._batch_buckets = _buckets(max_batch_size)
+        self._order = []  # the running slots in the fused step's row order
+        self._order_dirty = False
+        self.scratch = max_batch_size
+        self.active = torch.full((max_batch_size,), self.scratch, dtype=torch.long, device=self.device)
+        self.last_decode_batch = None  # the batch bucket of the latest decode step
 
     def _init_slot_state(self):
-        b, dev = self.max_batch, self.device
+        b, dev = self.max_batch + 1, self.device  # + the scratch slot (always done)
         self.tokens = torch.zeros(b, dtype=torch.long, device=dev)  # next input token
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)  # where that token is written
         self.count = torch.zeros(b, dtype=torch.long, device=dev)  # tokens generated
@@ -170,6 +198,8 @@ class InferenceEngine:
             request.slot = heapq.heappop(self._free)
             request._host_pos = len(request.prompt)
             self.running[request.slot] = request
+            self._order.append(request.slot)
+            self._order_dirty = True
             admitted.append(request)
         if not admitted:
             return
@@ -273,53 +303,77 @@ class InferenceEngine:
             self.pos[rows] += (live & ~finished).long()
 
     def _decode_step(self):
-        top = max(self.running) + 1
-        batch = next(b for b in self._batch_buckets if b >= top)
-        needed = max(r._host_pos for r in self.running.values()) + 1
-        kv_len = min(self.max_seq_len, -(-needed // self.kv_bucket) * self.kv_bucket)
-        logits = self._decode_logits(batch, kv_len)
+        if self.decoder is not None:  # running rows packed into rows 0..n-1, one graph per batch bucket
+            batch = next(b for b in self._batch_buckets if b >= len(self.running))
+            self._sync_order()
+            rows, key = self.active[:batch], (batch, None)
+        else:
+            top = max(self.running) + 1
+            batch = next(b for b in self._batch_buckets if b >= top)
+            needed = max(r._host_pos for r in self.running.values()) + 1
+            rows, key = self.cache.rows[:batch], (batch, min(self.max_seq_len,
+                                                            -(-needed // self.kv_bucket) * self.kv_bucket))
+        self.last_decode_batch = batch
+        logits = self._decode_logits(key)
         requests = self.running.values()
         sampled = [r for r in requests if not r.params.greedy]
-        self._advance(self.cache.rows[:batch], logits, bool(sampled), any(r.params.filters for r in sampled),
-                      decode=True)
+        self._advance(rows, logits, bool(sampled), any(r.params.filters for r in sampled), decode=True)
         for r in requests:
             r._host_pos = min(r._host_pos + 1, self.max_seq_len - 1)
             r._host_count += 1
 
-    def _decode_forward(self, batch, kv_len):
+    def _sync_order(self):
+        """Copies the running slots' row order to the device (only after rows joined or left)."""
+        if not self._order_dirty:
+            return
+        host = torch.full((self.max_batch,), self.scratch, dtype=torch.long)
+        host[:len(self._order)] = torch.tensor(self._order, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.active.copy_(host, non_blocking=True)
+        self._order_dirty = False
+
+    def _decode_forward(self, key):
+        batch, kv_len = key
+        if self.decoder is not None:
+            rows = self.active[:batch]
+            return self.decoder(self.tokens[rows], rows, self.pos[rows])
         self.cache.set_decode(batch, kv_len, self.pos[:batch], self.dtype)
         hidden = self.model.hidden_states(self.tokens[:batch, None], cache=self.cache)
         return self._logits(hidden)
 
-    def _decode_logits(self, batch, kv_len):
+    def _decode_logits(self, key):
         if not self.cuda_graphs:
             try:
-                return self._decode_forward(batch, kv_len)
+                return self._decode_forward(key)
             finally:
                 self.cache.clear()
-        key = (batch, kv_len)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(batch, kv_len)
+            self._graphs[key] = self._capture(key)
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
 
-    def _capture(self, batch, kv_len):
+    def _capture(self, key):
         """Warms the step up on a side stream, then records it; the graph reads tokens/pos and writes the cache
         in place (the warm-up's writes are the same values the replay writes)."""
+        if self.decoder is not None and self.decoder.compile_mode is not None:
+            self._decode_forward(key)  # compiles (and autotunes) on the current stream, outside the capture
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_forward(batch, kv_len)
+                self._decode_forward(key)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._decode_forward(batch, kv_len)
+            logits = self._decode_forward(key)
         self.cache.clear()
-        logger.info(f"inference: captured the decode step for batch {batch}, kv length {kv_len}")
+        batch, kv_len = key
+        logger.info(f"inference: captured the {self.decode} decode step for batch {batch}"
+                    + ("" if kv_len is None else f", kv length {kv_len}"))
         return graph, logits
 
     def _collect(self):
@@ -344,16 +398,25 @@ class InferenceEngine:
     def _release(self, request):
         self.done[request.slot] = True
         del self.running[request.slot]
+        index = self._order.index(request.slot)  # the last row moves into the hole: rows stay packed
+        self._order[index] = self._order[-1]
+        self._order.pop()
+        self._order_dirty = True
         heapq.heappush(self._free, request.slot)
         request.slot = None
 
     @torch.no_grad()
     def warmup(self, batch_sizes=None, kv_lengths=None):
-        """Captures the decode graphs of the given buckets now (default: every batch bucket, the first kv bucket)."""
+        """Captures the decode graphs of the given buckets now (default: every batch bucket; unfused: the first kv
+        bucket). A capture's warm-up writes running rows' keys/values, the same ones their next step writes."""
         if not self.cuda_graphs:
             return
-        kv_lengths = kv_lengths or [min(self.max_seq_len, self.kv_bucket)]
+        self._sync_order()
+        if self.decoder is not None:
+            kv_lengths = [None]
+        else:
+            kv_lengths = kv_lengths or [min(self.max_seq_len, self.kv_bucket)]
         for batch in batch_sizes or self._batch_buckets:
             for kv_len in kv_lengths:
                 if (batch, kv_len) not in self._graphs:
-                    self._graphs[(batch, kv_len)] = self._capture(batch, kv_len)
+                    self._graphs[(batch, kv_len)] = self._capture((batch, kv_len))

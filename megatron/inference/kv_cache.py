@@ -7,7 +7,8 @@ are 0..pos. Each forward pass is either a prefill or a decode step, set by the e
     prefill  rows `slots` write their chunk's keys/values at [start, start + c); queries attend causally over
              [0, start + c) of their own slot
     decode   slots 0..B-1 each write one key/value at their own position pos[b] (a device tensor) and attend over
-             the first kv_len positions, masked to j <= pos[b]
+             the first kv_len positions, masked to j <= pos[b] (the engine's unfused path; its fused path,
+             megatron/inference/decode.py, writes and reads self.k / self.v directly)
 
 The ALiBi bias (slope_h * (j - i), the dtype's minimum where masked) is computed once per pass and shared by
 all layers. Decode uses only fixed-shape kernels whose positions live on the device, so one CUDA graph per

@@ -1,0 +1,263 @@
+"""The fused decode step: one token for each running row, from a BloomModel's weights, in a few large kernels.
+
+A decode step of the model's own forward (the "unfused" path) runs ~19 kernels per block at batch 1, most of
+them latency-bound (LayerNorm, bias, GeLU, residual add, KV-cache index writes, a materialised ALiBi bias). This
+step runs the same maths as straight-line torch code split at the attention into segments that torch.compile
+can fuse (the LayerNorm with the residual add before it, the bias with GeLU, each bias and residual into its
+GEMM's epilogue where inductor picks a template for M <= 64):
+
+    head    tokens -> embedding -> embedding LayerNorm -> block 0's input LayerNorm -> QKV GEMM     (B, 3H)
+    mid_i   block i's dense GEMM + residual -> LayerNorm -> h->4h GEMM + GeLU -> 4h->h GEMM + residual
+            -> block i+1's input LayerNorm -> QKV GEMM                                               (B, 3H)
+    tail    the last block's rest -> final LayerNorm -> tied LM head -> fp32 logits, padding ids -inf (B, V)
+
+and between them `decode_attention`, one kernel per layer (Triton on CUDA) that writes the new key and value
+into the static cache at each row's own position and attends over that row's own keys 0..pos[b] only (no
+padding to the longest row, no bias tensor): softmax(q k^T * scale + slope_h * (j - pos)) v, in fp32.
+
+Rows are indirect: row b of the step decodes cache slot slots[b], so the engine packs its running rows into
+the first n rows (the batch bucket follows the number of running rows, not the highest slot in use); padding
+rows of a bucket point at a scratch slot nobody owns. All shapes are fixed per batch bucket (the kernel's loop
+bound is read from the device), so one CUDA graph per bucket serves every length, with or without compile.
+"""
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+# ---- attention over each row's own length ------------------------------------------------------------------
+
+def decode_attention_reference(qkv, k_cache, v_cache, slots, pos, slopes, scale):
+    """The torch version of decode_attention (any device): writes then attends over the whole cache, masked.
+
+    qkv (B, nh*3*hd) in BLOOM's per-head [q, k, v] layout; k_cache/v_cache (S, nh, T, hd) one layer's cache;
+    slots, pos (B,) int64; slopes (nh,) fp32. Returns the context (B, nh*hd).
+    """
+    b = qkv.shape[0]
+    nh, t, hd = k_cache.shape[1:]
+    q, k, v = qkv.view(b, nh, 3, hd).unbind(2)  # each (B, nh, hd)
+    k_cache[slots, :, pos] = k
+    v_cache[slots, :, pos] = v
+    keys, values = k_cache[slots], v_cache[slots]  # (B, nh, T, hd)
+    scores = torch.matmul(q[:, :, None], keys.transpose(-1, -2)).float() * scale  # (B, nh, 1, T)
+    distance = (torch.arange(t, device=qkv.device)[None, :] - pos[:, None])[:, None, None, :]  # (B, 1, 1, T) j - i
+    scores = scores + slopes[None, :, None, None] * distance.float()
+    scores = scores.masked_fill(distance > 0, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(qkv.dtype)
+    return torch.matmul(probs, values).reshape(b, nh * hd)  # (B, nh, 1, hd) -> (B, H)
+
+
+def split_plan(batch, heads, max_len, block_n=64, target_programs=256):
+    """(keys per split, number of splits): enough (row, head, split) programs to fill the GPU at a small batch,
+    splits of whole blocks, one split once batch x heads reaches target_programs."""
+    blocks = -(-max_len // block_n)
+    splits = max(1, min(blocks, target_programs // max(1, batch * heads)))
+    split = -(-blocks // splits) * block_n
+    return split, -(-max_len // split)
+
+
+def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256):
+    """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row."""
+    from megatron.inference.triton_decode import combine_kernel, decode_attention_kernel
+    b = qkv.shape[0]
+    nh, t, hd = k_cache.shape[1:]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1, \
+        (k_cache.stride(), v_cache.stride(), qkv.stride())
+    assert hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two for the Triton decode kernel"
+    split, splits = split_plan(b, nh, t, block_n, target_programs)
+    out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
+    part = torch.empty(b * nh * splits * hd if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
+    stat = torch.empty(b * nh * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
+    decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, scale,
+                                             qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+                                             k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n, SPLIT=split,
+                                             NUM_SPLITS=splits)
+    if splits > 1:
+        combine_kernel[(b, nh)](part, stat, out, out.stride(0), HD=hd, NUM_SPLITS=splits,
+                                SPLITS_P2=triton_next_power_of_2(splits))
+    return out
+
+
+def triton_next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
+_CHECKED = {}
+
+
+def _triton_check(dtype, head_dim, device):
+    """'' if the Triton kernels compile and agree with the torch attention on a small case, else why not."""
+    key = (dtype, head_dim, device)
+    if key not in _CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        kc = torch.randn(3, 2, 200, head_dim, generator=gen).to(device, dtype)
+        vc = torch.randn(3, 2, 200, head_dim, generator=gen).to(device, dtype)
+        qkv = torch.randn(2, 2 * 3 * head_dim, generator=gen).to(device, dtype)
+        slots, pos = torch.tensor([2, 0], device=device), torch.tensor([150, 7], device=device)
+        slopes = torch.tensor([0.5, 0.25], device=device)
+        try:
+            want = decode_attention_reference(qkv, kc.clone(), vc.clone(), slots, pos, slopes, head_dim ** -0.5)
+            got = decode_attention_triton(qkv, kc.clone(), vc.clone(), slots, pos, slopes, head_dim ** -0.5)
+            error = float((got.float() - want.float()).abs().max())
+            _CHECKED[key] = "" if error < 0.05 else f"max error {error:.3g} against the torch attention"
+        except Exception as err:  # noqa: BLE001  a broken toolchain: reported, the torch attention serves
+            _CHECKED[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return _CHECKED[key]
+
+
+def triton_available(device):
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- the segments between attentions (pure torch: torch.compile fuses them) --------------------------------
+
+def _layer_norm(x, weight, bias, eps):
+    if weight.dtype != x.dtype:  # MixedFusedLayerNorm: fp32 parameters and statistics, output in x's dtype
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def _linear(x, weight, bias, gemv):
+    """x W^T + b. gemv (under inductor's coordinate-descent tuning): at one row, a matmul and an add, which inductor
+    lowers to one tuned reduction kernel with the bias fused (its mm decomposition for M = 1; addmm has none)."""
+    if gemv and x.shape[0] == 1:
+        y = torch.matmul(x, weight.t())
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+    """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H))."""
+    ln = _layer_norm(x, ln_w, ln_b, eps)
+    return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv)
+
+
+def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
+                    gemv):
+    """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
+    x = residual + _linear(context, dense_w, dense_b, gemv)
+    ln = _layer_norm(x, ln_w, ln_b, eps)
+    residual = ln if post_ln else x
+    return residual + _linear(F.gelu(_linear(ln, fc1_w, fc1_b, gemv), approximate="tanh"), fc2_w, fc2_b, gemv)
+
+
+def head_segment(tokens, emb, emb_ln_w, emb_ln_b, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+    x = F.embedding(tokens, emb)  # (B, H)
+    if emb_ln_w is not None:
+        x = _layer_norm(x, emb_ln_w, emb_ln_b, eps)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv)
+
+
+def mid_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
+                ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
+                        gemv)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv)
+
+
+def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
+                 final_w, final_b, emb, eps, post_ln, gemv, vocab_limit):
+    x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
+                        gemv)
+    logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv).float()  # (B, V)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_limit, float("-inf"))
+    return logits
+
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+class FusedDecoder:
+    """One decode step of a BloomModel (TP 1) over a StaticKVCache: (tokens, slots, pos) (B,) -> logits (B, V).
+
+    attention: "triton" (CUDA) or "torch" (decode_attention_reference); default: triton where available.
+    compile_mode: None (eager) or one of COMPILE_MODES for torch.compile of the segments (static shapes: one
+    compilation per batch bucket; CUDA graphs are the engine's, so inductor's own are off). With
+    max-autotune-no-cudagraphs inductor also autotunes the GEMMs (cuBLAS or its Triton templates, for M <= 64) and,
+    as gpt-fast does, turns on coordinate-descent tuning (process-wide), under which a one-row GEMM becomes a
+    tuned reduction kernel.
+    """
+
+    def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None):
+        if model.tp_size != 1:
+            raise ValueError(f"the fused decode step runs at tensor-parallel size 1 (got {model.tp_size}); "
+                             "build the InferenceEngine with decode='unfused'")
+        if compile_mode is not None and compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode {compile_mode!r} is not one of {', '.join(COMPILE_MODES)} (or None)")
+        config = model.config
+        self.eps = config.layernorm_epsilon
+        self.post_ln = config.apply_residual_connection_post_layernorm
+        self.vocab_limit = vocab_limit
+        self.cache = cache
+        self.scale = model.layers[0].self_attention.core_attention.scale
+
+        def w(t):
+            return None if t is None else t.detach()  # plain tensors: guards on shapes, not on which parameter
+
+        embedding = model.embedding
+        self.emb = w(embedding.word_embeddings.weight)
+        norm = embedding.word_embeddings_layernorm
+        self.emb_ln = (w(norm.weight), w(norm.bias)) if norm is not None else (None, None)
+        self.pre, self.post = [], []
+        for block in model.layers:
+            att, mlp = block.self_attention, block.mlp
+            self.pre.append((w(block.input_layernorm.weight), w(block.input_layernorm.bias),
+                             w(att.query_key_value.weight), w(att.query_key_value.bias)))
+            self.post.append((w(att.dense.weight), w(att.dense.bias), w(block.post_attention_layernorm.weight),
+                              w(block.post_attention_layernorm.bias), w(mlp.dense_h_to_4h.weight),
+                              w(mlp.dense_h_to_4h.bias), w(mlp.dense_4h_to_h.weight), w(mlp.dense_4h_to_h.bias)))
+        self.final = (w(model.final_layernorm.weight), w(model.final_layernorm.bias))
+
+        device = self.emb.device
+        head_dim = cache.k.shape[-1]
+        if attention is None:  # the kernel's head dimension is one block: a power of two
+            attention = "triton" if triton_available(device) and head_dim & (head_dim - 1) == 0 else "torch"
+            if attention == "triton":
+                failure = _triton_check(cache.k.dtype, head_dim, str(device))
+                if failure:
+                    logger.warning(f"inference: the Triton decode attention failed its check ({failure}); "
+                                   "using the torch attention")
+                    attention = "torch"
+        if attention == "triton" and not triton_available(device):
+            raise ValueError("attention='triton' needs CUDA and the triton package; use attention='torch'")
+        self.attention_impl = attention
+        self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
+        self.compile_mode = compile_mode
+        self.gemv = False
+        self._head, self._mid, self._tail = head_segment, mid_segment, tail_segment
+        if compile_mode is not None:
+            import torch._dynamo.config as dynamo_config
+            # one compilation per batch bucket (1, 2, ..., 64, 128, ...) for each of the three segments
+            name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 16))
+            self.gemv = compile_mode == "max-autotune-no-cudagraphs"
+            if self.gemv:
+                import torch._inductor.config as inductor_config
+                inductor_config.coordinate_descent_tuning = True
+            compile_ = lambda fn: torch.compile(fn, mode=compile_mode, dynamic=False, fullgraph=True)  # noqa: E731
+            self._head, self._mid, self._tail = compile_(head_segment), compile_(mid_segment), compile_(tail_segment)
+        logger.info(f"inference: fused decode step ({attention} attention, "
+                    f"{'eager' if compile_mode is None else 'torch.compile mode ' + compile_mode})")
+
+    def __call__(self, tokens, slots, pos):
+        """Writes each row's new key/value at pos[b] of slot slots[b] and returns fp32 logits (B, V)."""
+        cache, eps, post_ln, gemv = self.cache, self.eps, self.post_ln, self.gemv
+        last = len(self.pre) - 1
+        residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln, gemv)
+        for i in range(last + 1):
+            context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale)
+            if i < last:
+                residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln, gemv)
+        return self._tail(residual, context, *self.post[last], *self.final, self.emb, eps, post_ln, gemv,
+                          self.vocab_limit)

@@ -1,0 +1,197 @@
+"""The fused decode step (megatron/inference/decode.py) on the CPU, fp32, eager: the same tokens as the unfused
+path and HF generate across prompt lengths and batch compositions; running rows packed into the batch bucket;
+the Triton attention kernel (under Triton's interpreter, where triton is installed) equals the torch one."""
+import pytest
+import torch
+from transformers import BloomConfig, BloomForCausalLM
+
+from megatron.config import ModelConfig
+from megatron.inference import InferenceEngine, SamplingParams
+from megatron.model import BloomModel
+from megatron.model.hf_bloom import from_hf_state_dict
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    hf = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=4, initializer_range=1.0,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=3)).eval()
+    config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=128,
+                         attention_impl="torch")
+    ours = BloomModel(config, parallel_output=False).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
+    return hf, ours
+
+
+def prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt, n):
+    ids = torch.tensor([prompt])
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                       pad_token_id=3)[0, len(prompt):].tolist()
+
+
+def engine(model, decode, **kwargs):
+    kwargs = {"max_batch_size": 4, "max_seq_len": 96, "kv_bucket": 16, "prefill_chunk": 16, **kwargs}
+    return InferenceEngine(model, decode=decode, **kwargs)
+
+
+@pytest.mark.parametrize("lengths,max_batch", [((1,), 1), ((7, 2, 33, 16), 4), ((5, 40, 9, 1, 17, 3), 4)])
+def test_fused_equals_unfused_and_hf(pair, lengths, max_batch):
+    """Prompt lengths 1..40 (one over the prefill chunk), a full batch, and more requests than slots."""
+    hf, ours = pair
+    ps = prompts(lengths, seed=len(lengths))
+    params = SamplingParams(greedy=True, max_new_tokens=20)
+    fused = engine(ours, "fused", max_batch_size=max_batch)
+    assert fused.decoder is not None and fused.decoder.attention_impl == "torch"
+    got = fused.generate(ps, params, steps_per_sync=3)
+    assert got == engine(ours, "unfused", max_batch_size=max_batch).generate(ps, params, steps_per_sync=3)
+    assert got == [hf_greedy(hf, p, 20) for p in ps]
+
+
+def test_rows_are_packed_and_the_bucket_follows_the_running_count(pair):
+    """The longest request sits in the highest slot; as the others leave the fused step's bucket shrinks to 1
+    (the unfused step keeps slots 0..3), a late request fills a hole, and every output equals its run alone."""
+    _, ours = pair
+    ps = prompts((6, 11, 3, 8, 14), seed=3)
+    news = (3, 5, 7, 30, 4)
+    alone = [engine(ours, "unfused", max_batch_size=1).generate([p], SamplingParams(greedy=True, max_new_tokens=n))[0]
+             for p, n in zip(ps, news)]
+    for decode in ("fused", "unfused"):
+        eng = engine(ours, decode)
+        requests = [eng.add_request(p, SamplingParams(greedy=True, max_new_tokens=n)) for p, n in zip(ps[:4], news)]
+        steps, decode_step = [], eng._decode_step
+
+        def recorded():  # (rows running, the step's batch bucket)
+            decode_step()
+            steps.append((len(eng.running), eng.last_decode_batch))
+        eng._decode_step = recorded
+        while eng.has_work():
+            eng.step(num_steps=1)
+            if len(steps) == 5:  # requests 0 and 1 have left: the late request takes slot 0, a hole
+                assert sorted(eng.running) == [2, 3]
+                requests.append(eng.add_request(ps[4], SamplingParams(greedy=True, max_new_tokens=news[4])))
+        assert [r.output for r in requests] == alone
+        assert all(r.finish_reason == "length" for r in requests)
+        counts = [n for n, _ in steps]
+        assert counts[:8] == [4, 4, 3, 3, 2, 3, 2, 2] and counts[-1] == 1
+        if decode == "fused":  # the smallest of the buckets 1, 2, 4 that holds the running rows
+            assert [b for _, b in steps] == [next(b for b in (1, 2, 4) if b >= n) for n in counts]
+        else:  # slots 0..3 while slot 3 runs
+            assert all(b == 4 for _, b in steps)
+
+
+def test_seeded_sampling_is_the_same_on_both_paths(pair):
+    _, ours = pair
+    ps = prompts((7, 2, 33, 16, 5), seed=4)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=16)
+    fused = engine(ours, "fused").generate(ps, params, seed=7)
+    assert fused == engine(ours, "unfused").generate(ps, params, seed=7)
+    mixed = [SamplingParams(greedy=True, max_new_tokens=16), params, SamplingParams(temperature=1.5, max_new_tokens=9)]
+    outs = {}
+    for decode in ("fused", "unfused"):
+        eng = engine(ours, decode, vocab_limit=200)
+        requests = [eng.add_request(p, mixed[i % 3], seed=i) for i, p in enumerate(ps)]
+        while eng.has_work():
+            eng.step(num_steps=4)
+        outs[decode] = [r.output for r in requests]
+    assert outs["fused"] == outs["unfused"] and all(t < 200 for out in outs["fused"] for t in out)
+
+
+def test_bad_decode_choices_are_named(pair):
+    _, ours = pair
+    with pytest.raises(ValueError, match=r"^decode='fast': choose 'fused' or 'unfused'$"):
+        engine(ours, "fast")
+    with pytest.raises(ValueError, match=r"^compile_mode 'turbo' is not one of default, max-autotune-no-cudagraphs"):
+        engine(ours, "fused", compile_mode="turbo")
+    with pytest.raises(ValueError, match=r"^attention='triton' needs CUDA and the triton package"):
+        engine(ours, "fused", decode_attention="triton")
+
+
+_KERNEL_CHECK = """
+import torch
+from megatron.inference.decode import decode_attention_reference, decode_attention_triton
+gen = torch.Generator().manual_seed(0)
+slots_n, nh, t, hd = 5, 3, 150, 16
+kc, vc = torch.randn(slots_n, nh, t, hd, generator=gen), torch.randn(slots_n, nh, t, hd, generator=gen)
+qkv = torch.randn(4, nh * 3 * hd, generator=gen)
+slots, pos = torch.tensor([3, 0, 4, 1]), torch.tensor([0, 63, 64, 149])  # block edges, the last position
+slopes = torch.tensor([0.5, 0.25, 0.125])
+k1, v1 = kc.clone(), vc.clone()
+want = decode_attention_reference(qkv, k1, v1, slots, pos, slopes, 0.25)
+assert not torch.equal(k1, kc)
+for target in (12, 24, 256):  # 1, 2 and 5 splits of the 150 keys
+    k2, v2 = kc.clone(), vc.clone()
+    got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, 0.25, block_n=32, target_programs=target)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+print("kernel ok")
+"""
+
+
+def test_split_plan():
+    from megatron.inference.decode import split_plan
+    assert split_plan(4, 3, 150, 32, 12) == (160, 1)
+    assert split_plan(4, 3, 150, 32, 24) == (96, 2)
+    assert split_plan(4, 3, 150, 32, 256) == (32, 5)
+    assert split_plan(1, 16, 288, 64, 256) == (64, 5)  # the benchmark's batch 1: 5 splits of 64 keys
+    assert split_plan(8, 16, 288, 64, 256) == (192, 2)
+    assert split_plan(64, 16, 288, 64, 256) == (320, 1)
+
+
+def test_triton_kernel_equals_the_torch_attention_under_the_interpreter():
+    """In a fresh process: TRITON_INTERPRET must be set before triton is first imported."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_parity_report_measures_the_divergence(pair):
+    from megatron.inference.parity import bf16_ulp, compare_rows
+    hf, _ = pair
+    for value in (1.0, 3.0, -0.3, 200.0):  # the next bf16 number above |value| minus |value|
+        x = torch.tensor(abs(value), dtype=torch.bfloat16)
+        up = (x.view(torch.int16) + 1).view(torch.bfloat16)
+        assert bf16_ulp(value) == float(up) - float(x)
+    ps = prompts((5, 9), seed=5)
+    theirs = [hf_greedy(hf, p, 6) for p in ps]
+    ours = [list(theirs[0]), theirs[1][:3] + [(theirs[1][3] + 1) % VOCAB] + theirs[1][4:]]
+    equal, report = compare_rows(hf, ps, ours, theirs)
+    assert equal == 1 and [(d["row"], d["index"], d["ours"], d["hf"]) for d in report] == \
+        [(1, 3, ours[1][3], theirs[1][3])]
+    ids = torch.tensor([ps[1] + theirs[1][:3]])
+    logits = hf(ids).logits[0, -1]
+    assert report[0]["hf_logit_gap"] == pytest.approx(float(logits[theirs[1][3]] - logits[ours[1][3]]), rel=1e-6)
+    assert report[0]["hf_logit_gap"] > 0
+
+
+def test_the_one_row_matmul_form_gives_the_same_tokens(pair):
+    """decoder.gemv (set under max-autotune: x @ W^T + b as a matmul and an add at one row) changes no token."""
+    hf, ours = pair
+    ps = prompts((9,), seed=6)
+    eng = engine(ours, "fused", max_batch_size=1)
+    eng.decoder.gemv = True
+    assert eng.generate(ps, SamplingParams(greedy=True, max_new_tokens=20)) == [hf_greedy(hf, ps[0], 20)]
+
+
+@pytest.mark.parametrize("decode", ["fused", "unfused"])
+def test_greedy_never_sorts_the_vocabulary(pair, monkeypatch, decode):
+    _, ours = pair
+    want = engine(ours, decode).generate(prompts((7, 3)), SamplingParams(greedy=True, max_new_tokens=6))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the vocabulary was sorted on the greedy path")
+    monkeypatch.setattr(torch, "sort", refuse)
+    monkeypatch.setattr(torch, "topk", refuse)
+    assert engine(ours, decode).generate(prompts((7, 3)), SamplingParams(greedy=True, max_new_tokens=6)) == want
+    with pytest.raises(AssertionError, match="sorted"):  # a filtered sampled row does sort
+        engine(ours, decode).generate(prompts((7,)), SamplingParams(top_p=0.9, max_new_tokens=2))
