@@ -1,21 +1,22 @@
-"""Benchmark: the text generation server under 1, 8 and 32 concurrent streaming clients (tokens/s, TTFT, per token).
+"""Benchmark: the text generation server under 1, 8, 32 and 64 concurrent streaming clients against the engine alone
+at the same batch (tokens/s), with time to first token and per output token.
 
     python benchmarks/serving_speed.py --device cuda --output benchmarks/results/serving_h200.json
         # the document's 1.72B model (random weights) in bf16 on a GPU
     python benchmarks/serving_speed.py --device cuda --load bloom_final      # a checkpoint or HF folder instead
     python benchmarks/serving_speed.py --tiny                                 # a small fp32 model on the CPU
-        [--clients 1 8 32 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
+        [--clients 1 8 32 64 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
 
-A child process builds the model and an InferenceEngine, times tools/generate_text.py's path at batch 1 there
-(engine.generate of one prompt, warm, best of --repeats: the baseline), then serves it with
-megatron.inference.server (the code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1.
-Each client is a thread that sends --requests-per-client streamed completions one after another: a fixed
---prompt-len token prompt (token ids, different per client), --new-tokens tokens, greedy, eod ignored so every
-completion has exactly --new-tokens tokens. Each concurrency starts with a warm-up round of one request per client
-(CUDA-graph captures of its batch and kv-length buckets), then the measured round. Per concurrency: aggregate
-tokens/s (all completion tokens / wall time of the round), time to first token (request sent -> first text chunk)
-and time per output token after the first ((last - first chunk) / (tokens - 1)), p50 and p95 over the requests.
-The ratios printed at the end: one client against the baseline (the goal: within 10%), N clients against one.
+A child process builds the model and one InferenceEngine (max batch = the most clients, every decode graph captured
+at start-up as tools/run_text_generation_server.py does), times the engine alone at each client count (engine.generate
+of that many prompts at once, the clients' own prompts, warm, best of --repeats: what the server could reach), then
+serves the same engine with megatron.inference.server (the code behind tools/run_text_generation_server.py) on a
+free port of 127.0.0.1. Each client is a thread that sends --requests-per-client streamed completions one after
+another: a fixed --prompt-len token prompt (token ids, different per client), --new-tokens tokens, greedy, eod
+ignored so every completion has exactly --new-tokens tokens. One warm-up request comes first. Per concurrency:
+aggregate tokens/s (all completion tokens / wall time of the round), the engine's tokens/s at that batch and the
+ratio server / engine, time to first token (request sent -> first text chunk: p50, p95, max) and time per output
+token after the first ((last - first chunk) / (tokens - 1)), p50 and p95 over the requests.
 """
 import argparse
 import http.client
@@ -46,12 +47,12 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on cuda")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 256 (64 with --tiny)")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--steps-per-sync", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="baseline timings (best counts)")
+    parser.add_argument("--repeats", type=int, default=3, help="engine timings per batch (best counts)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the server")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
@@ -94,7 +95,7 @@ def build_model(args, device, dtype):
 
 
 def child(args):
-    """Builds the model, times the batch-1 baseline, serves until SIGTERM."""
+    """Builds the model and the engine, times the engine alone at each client count, serves until SIGTERM."""
     import torch
 
     from megatron.inference import InferenceEngine, SamplingParams
@@ -106,36 +107,37 @@ def child(args):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model, tokenizer = build_model(args, device, dtype)
     context = args.prompt_len + args.new_tokens
-    prompt = client_prompt(args, tokenizer.vocab_size, 0)
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens)
-    single = InferenceEngine(model, max_batch_size=1, max_seq_len=context, eod_id=None,
-                             vocab_limit=tokenizer.vocab_size)  # tools/generate_text.py --batch-size 1
-    timings = []
+    engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
+                             vocab_limit=tokenizer.vocab_size, cuda_graphs=device.type == "cuda")
+    prompts = [client_prompt(args, tokenizer.vocab_size, i) for i in range(max(args.clients))]
+    figures = {"vocab_size": tokenizer.vocab_size, "engine_tokens_per_s": {}}
 
-    def time_baseline():  # on a thread of its own, as the server's engine runs
-        single.generate([prompt], params)  # warm-up (graph capture)
-        for _ in range(args.repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = single.generate([prompt], params)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            timings.append((time.perf_counter() - start, len(out[0])))
+    def time_engine():  # on a thread of its own, as the server's engine runs
+        start = time.perf_counter()
+        engine.warmup(every_bucket=True)  # what the server tool does at start-up
+        figures["graphs"] = len(engine._graphs)
+        figures["capture_s"] = time.perf_counter() - start
+        for clients in args.clients:
+            engine.generate(prompts[:clients], params, steps_per_sync=args.steps_per_sync)  # warm
+            timings = []
+            for _ in range(args.repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = engine.generate(prompts[:clients], params, steps_per_sync=args.steps_per_sync)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                timings.append((time.perf_counter() - start, sum(len(o) for o in out)))
+            seconds, tokens = min(timings)
+            figures["engine_tokens_per_s"][clients] = tokens / seconds
 
-    thread = threading.Thread(target=time_baseline)
+    thread = threading.Thread(target=time_engine)
     thread.start()
     thread.join()
-    del single
-    seconds, tokens = min(timings)
-    baseline = {"tokens_per_s": tokens / seconds, "tokens": tokens, "vocab_size": tokenizer.vocab_size}
-    print("BASELINE " + json.dumps(baseline), flush=True)
-    engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
-                             vocab_limit=tokenizer.vocab_size)
-    with torch.no_grad():
-        engine.warmup()  # CUDA-graph captures of the decode step
+    print("ENGINE " + json.dumps(figures), flush=True)
     settings = ServerSettings(model_name="bench", max_new_tokens=args.new_tokens, steps_per_sync=args.steps_per_sync,
-                              log_level="warning")
+                              max_pending=max(1024, 2 * max(args.clients)), log_level="warning")
     return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
 
 
@@ -215,7 +217,7 @@ def summarize(clients, results):
     return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall, "per_client_tokens_per_s": statistics.mean(
                 r["tokens"] / (r["end"] - r["start"]) for r in results),
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95), "ttft_max_ms": max(ttft),
             "tpot_p50_ms": percentile(tpot, 50), "tpot_p95_ms": percentile(tpot, 95)}
 
 
@@ -230,11 +232,13 @@ def main(argv=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
     environment = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=environment)
+    rows = []
     try:
-        baseline, port, deadline = None, None, time.monotonic() + args.timeout
+        engine, port, deadline = None, None, time.monotonic() + args.timeout
         for line in proc.stdout:
-            if line.startswith("BASELINE "):
-                baseline = json.loads(line[len("BASELINE "):])
+            if line.startswith("ENGINE "):
+                engine = json.loads(line[len("ENGINE "):])
+                engine["engine_tokens_per_s"] = {int(k): v for k, v in engine["engine_tokens_per_s"].items()}
             match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+)", line)
             if match:
                 port = int(match.group(1))
@@ -245,18 +249,19 @@ def main(argv=None):
             raise RuntimeError("the server process did not start; its errors are above")
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
         wait_healthy(port, deadline)
-        vocab_size = baseline["vocab_size"]
-        describe(args, baseline)
-        rows = []
-        print(f"{'clients':>7} {'tok/s':>9} {'per client':>10} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
-              f"{'p95':>8}  (ms)")
+        vocab_size = engine["vocab_size"]
+        describe(args, engine)
+        run_round(args, port, 1, vocab_size, requests=1)  # warm-up (every decode graph was captured at start-up)
+        print(f"{'clients':>7} {'server tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'TTFT p50':>9} {'p95':>8} "
+              f"{'max':>8} {'TPOT p50':>9} {'p95':>8}  (ms)")
         for clients in args.clients:
-            run_round(args, port, clients, vocab_size, requests=1)  # warm-up: this load's graph captures
             row = summarize(clients, run_round(args, port, clients, vocab_size))
+            row["engine_tokens_per_s"] = engine["engine_tokens_per_s"][clients]
+            row["server_vs_engine"] = row["tokens_per_s"] / row["engine_tokens_per_s"]
             rows.append(row)
-            print(f"{clients:>7} {row['tokens_per_s']:>9.1f} {row['per_client_tokens_per_s']:>10.1f} "
-                  f"{row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} "
-                  f"{row['tpot_p95_ms']:>8.2f}", flush=True)
+            print(f"{clients:>7} {row['tokens_per_s']:>12.1f} {row['engine_tokens_per_s']:>12.1f} "
+                  f"{row['server_vs_engine']:>6.2f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} "
+                  f"{row['ttft_max_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} {row['tpot_p95_ms']:>8.2f}", flush=True)
     finally:
         proc.terminate()
         try:
@@ -264,21 +269,13 @@ def main(argv=None):
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-    ratios = {}
-    by_clients = {r["clients"]: r for r in rows}
-    if 1 in by_clients:
-        ratios["one_client_vs_generate_text"] = by_clients[1]["tokens_per_s"] / baseline["tokens_per_s"]
-        for clients in by_clients:
-            if clients > 1:
-                ratios[f"clients_{clients}_vs_one"] = (by_clients[clients]["tokens_per_s"]
-                                                        / by_clients[1]["tokens_per_s"])
-    print(f"baseline (tools/generate_text.py path, batch 1): {baseline['tokens_per_s']:.1f} tokens/s; "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; server exit code {code}")
+    print("server / engine at the same batch: " + ", ".join(f"{r['clients']} clients {r['server_vs_engine']:.2f}x"
+                                                             for r in rows) + f"; server exit code {code}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": device_name(args), "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-                       "baseline_batch1": baseline, "rows": rows, "ratios": ratios, "server_exit_code": code}, f,
-                      indent=2)
+                       "graphs": engine["graphs"], "capture_s": engine["capture_s"], "rows": rows,
+                       "server_exit_code": code}, f, indent=2)
     return 0 if code == 0 else 1
 
 
@@ -302,12 +299,12 @@ def device_name(args):
     return torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
 
 
-def describe(args, baseline):
+def describe(args, engine):
     model = f"--load {args.load}" if args.load else (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
                                                       f"vocab {args.vocab} (random weights)")
     print(f"model: {model}, {args.dtype}, {device_name(args)}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync; "
-          f"baseline (generate_text path, batch 1): {baseline['tokens_per_s']:.1f} tokens/s", flush=True)
+          f"{engine['graphs']} decode graphs captured at start-up in {engine['capture_s']:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

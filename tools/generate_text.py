@@ -1,4 +1,4 @@
-"""Generate text from a checkpoint of any TP x PP layout (merged in memory) or a Hugging Face BLOOM folder.
+"""Generate text from a checkpoint of any TP x PP layout or a Hugging Face BLOOM folder (each rank reads its slices).
 
     python tools/generate_text.py --load checkpoints --prompt "The cat" --prompt "Once upon a time" \
         --max-new-tokens 32 --top-p 0.9 --temperature 0.8 --batch-size 2

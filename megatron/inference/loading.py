@@ -45,15 +45,22 @@ def load_checkpoint_and_tokenizer(path, num_partitions=None, tokenizer_dir=None)
     """(MergedCheckpoint, tokenizer) for --load path; tokenizer_dir overrides the checkpoint's own tokenizer.
     Raises ValueError naming the flag when there is no tokenizer or it does not fit the model's vocabulary."""
     merged = load_any(path, num_partitions)
-    own_dir = merged.tokenizer_dir
+    return merged, tokenizer_for(merged, path, tokenizer_dir)
+
+
+def tokenizer_for(source, path, tokenizer_dir=None):
+    """The tokenizer of --load path (source: its MergedCheckpoint or reader), or --tokenizer-name-or-path, checked
+    against the model's vocabulary and the checkpoint's own tokenizer (ValueError naming the flag)."""
+    own_dir = source.tokenizer_dir
     tokenizer_dir = tokenizer_dir or own_dir
     if tokenizer_dir is None:
         raise ValueError(f"--load {path} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
     overridden = own_dir is not None and os.path.realpath(own_dir) != os.path.realpath(tokenizer_dir)
     own = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=own_dir) if overridden else None
-    check_tokenizer_fits_model(tokenizer, tokenizer_dir, merged.config.vocab_size, merged.run_config, own, own_dir)
-    return merged, tokenizer
+    check_tokenizer_fits_model(tokenizer, tokenizer_dir, source.config.vocab_size,
+                               getattr(source, "run_config", None), own, own_dir)
+    return tokenizer
 
 
 def setup_tensor_parallel(tp=None):
@@ -89,8 +96,7 @@ def tp_token_sync(state):
 
 def load_model(path, state, num_partitions=None, tokenizer_dir=None, dtype_flag="auto"):
     """(model, tokenizer, device, dtype) of this rank: a BloomModel (parallel_output=False, eval mode, on the device)
-    holding this TP rank's slices of --load, and the tokenizer (checked against the model as
-    load_checkpoint_and_tokenizer does)."""
+    holding this TP rank's slices of --load, and its tokenizer (tokenizer_for)."""
     import torch
 
     from megatron.checkpoint.convert import read_shard_for, stage_names
@@ -99,7 +105,7 @@ def load_model(path, state, num_partitions=None, tokenizer_dir=None, dtype_flag=
 
     reader = open_reader(path, num_partitions)
     try:
-        tokenizer = _tokenizer_for(reader, tokenizer_dir)
+        tokenizer = tokenizer_for(reader, path, tokenizer_dir)
         tp, rank = state.tensor_model_parallel_size, state.tp_rank
         device, dtype = device_and_dtype(reader, dtype_flag)
         config = dataclasses.replace(reader.config, tensor_model_parallel_size=tp, attention_impl="torch",
@@ -112,16 +118,3 @@ def load_model(path, state, num_partitions=None, tokenizer_dir=None, dtype_flag=
         model = BloomModel(config, parallel_output=False, tp_group=state.tp_group)
     model.load_state_dict(weights, strict=True)
     return model.to(device=device, dtype=dtype).eval(), tokenizer, device, dtype
-
-
-def _tokenizer_for(reader, tokenizer_dir=None):
-    own_dir = reader.tokenizer_dir
-    tokenizer_dir = tokenizer_dir or own_dir
-    if tokenizer_dir is None:
-        raise ValueError(f"--load {reader.folder} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
-    tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
-    overridden = own_dir is not None and os.path.realpath(own_dir) != os.path.realpath(tokenizer_dir)
-    own = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=own_dir) if overridden else None
-    check_tokenizer_fits_model(tokenizer, tokenizer_dir, reader.config.vocab_size,
-                               getattr(reader, "run_config", None), own, own_dir)
-    return tokenizer
