@@ -47,7 +47,8 @@ def parse_args(argv=None):
                         help="the model id of /v1/models and responses (default: the --load folder's name)")
     parser.add_argument("--max-batch-size", type=int, default=32,
                         help="completions decoding together (KV-cache slots; default: %(default)s); more wait for "
-                             "a free slot")
+                             "a free slot. On a GPU the decode step of every batch bucket up to it (1, 2, 4, ...) and "
+                             "every kv-length bucket up to the context is captured as a CUDA graph at start-up")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="the context: prompt + generated tokens (default: the model's --seq-length)")
     parser.add_argument("--max-new-tokens-limit", type=int, default=None,
