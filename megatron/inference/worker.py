@@ -15,7 +15,8 @@ identically (the engine's sync_tokens makes every rank use rank 0's sampled toke
 Failures: a failed step fails every row the engine holds and every row queued behind it (HTTP 500; a stream gets
 an error event, then its end) and marks the worker unhealthy (GET /health answers 503) until a step or, while
 idle, a probe of the device succeeds. A failure of the thread itself answers everything queued and refuses
-what comes later. The test hook MEGATRON_TEST_ENGINE_FAULT=PATH makes every step fail while PATH exists (under
+what comes later. Under TP a step that raises on rank 0 may have run (or hang) on the other ranks, so it stops the
+engine thread for good (/health 503 "stopped": restart the server). The test hook MEGATRON_TEST_ENGINE_FAULT=PATH makes every step fail while PATH exists (under
 TP rank 0 decides and the plan carries the fault, so every rank fails the same step).
 """
 import asyncio
@@ -108,6 +109,7 @@ class EngineWorker:
         self.healthy = True
         self.last_error = None
         self._fault_path = os.environ.get(FAULT_HOOK)
+        self._desynced = False  # TP: a step failed on this rank but maybe not on the others
         self.stats = {"running": 0, "waiting": 0, "peak_running": 0, "steps": 0, "finished": 0, "cancelled": 0,
                       "errors": 0}
 
@@ -176,7 +178,7 @@ class EngineWorker:
             with self._lock:
                 self.alive = False
             self._fail_queued()
-            if self.channel is not None:
+            if self.channel is not None and not self._desynced:
                 try:
                     self.channel.close()
                 except Exception:  # noqa: BLE001  the other ranks are gone already
@@ -264,6 +266,11 @@ class EngineWorker:
             active.clear()
             failed += self._drain_adds()
             self._post([(row, [], "error") for row in failed])
+            if self.channel is not None and not isinstance(err, InjectedFault):
+                # the other ranks may have run (or be stuck in) this step: they are out of step for good
+                self._desynced = True
+                raise RuntimeError("a tensor-parallel engine step failed; the ranks are out of step: restart the "
+                                   "server") from err
             return
         self.healthy = True
         self.stats["steps"] += 1
@@ -353,8 +360,9 @@ def probe_device(device):
 
 
 def follow(engine, scorer, channel):
-    """The engine loop of a TP rank other than 0: applies rank 0's plans until it says stop. A failed step
-    fails every request (as rank 0 does); returns 0 when told to stop."""
+    """The engine loop of a TP rank other than 0: applies rank 0's plans until it says stop (returns 0). The
+    injected test fault fails every request, as on rank 0; any other failed step raises (the ranks are out of
+    step: torchrun then stops them all)."""
     requests = {}  # row key -> engine Request
     while True:
         plan = channel.receive()
@@ -384,8 +392,10 @@ def follow(engine, scorer, channel):
                 try:
                     for request in run_step(engine, num_steps, fault):
                         requests.pop(request.request_id, None)
-                except Exception:  # noqa: BLE001  rank 0 fails the rows; do the same here
-                    logger.exception("server: the engine step failed on this rank")
+                except Exception:  # rank 0 fails the rows; do the same here
+                    if not fault:  # this rank alone: out of step with the others for good (torchrun stops them)
+                        raise
+                    logger.warning("server: injected engine fault (%s); failing every request", FAULT_HOOK)
                     for request in requests.values():
                         engine.cancel(request)
                     requests.clear()
