@@ -275,10 +275,14 @@ def test_worker_admits_a_row_into_the_running_batch_with_its_solo_output():
         running_meanwhile = not first.rows[0].finished
         await first.wait()
         worker.stop()
-        return [first.rows[0].output] + [r.output for r in second.rows], running_meanwhile, worker.stats
+        rows = first.rows + second.rows
+        return [r.output for r in rows], running_meanwhile, worker.stats, [r.text.decoded for r in rows]
 
-    outputs, running_meanwhile, stats = asyncio.run(scenario())
+    outputs, running_meanwhile, stats, decoded = asyncio.run(scenario())
     assert outputs == [s[0] for s in solo]
+    # each update carries only the new ids, each decoded in a short window (a whole-row decode per update of the
+    # 40-token row would be ~20 updates x ~20 ids)
+    assert all(d <= 3 * len(o) for d, o in zip(decoded, outputs))
     assert running_meanwhile and stats["peak_running"] == 3 and stats["finished"] == 3 and not stats["cancelled"]
 
 
