@@ -491,12 +491,7 @@ def logprobs_body(ids, scored, detokenize, first_offset=0, echo=True):
     ids: the prompt followed by the completion; scored: a scoring.Scored of ids[1:] (the first token has nothing to
     predict it: with echo its log-prob and top_logprobs are null). Without echo only the completion's tokens, from
     index first_offset (the prompt's length) on, are listed; their offsets still count the prompt's text."""
-    texts, offsets, length = [], [], 0
-    for k in range(len(ids)):
-        offsets.append(length)
-        text = detokenize(ids[:k + 1])
-        texts.append(detokenize([ids[k]]))
-        length = len(text)
+    texts, offsets = [detokenize([t]) for t in ids], prefix_lengths(ids, detokenize)
     token_logprobs = [None] + list(scored.logprobs)
     top = [None]
     for k in range(len(scored.logprobs)):
@@ -509,6 +504,20 @@ def logprobs_body(ids, scored, detokenize, first_offset=0, echo=True):
     start = 0 if echo else first_offset
     return {"tokens": texts[start:], "token_logprobs": token_logprobs[start:], "top_logprobs": top[start:],
             "text_offset": offsets[start:]}
+
+
+def prefix_lengths(ids, detokenize):
+    """[len(detokenize(ids[:k])) for k in range(len(ids))], decoding a short window per id (IncrementalText's
+    offsets): the text up to the last character boundary `read` is known, and decode(ids[prefix:k]) less
+    decode(ids[prefix:read]) is the length the ids since then add, unfinished characters' U+FFFD included."""
+    out, prefix, read, prefix_text, length = [], 0, 0, "", 0  # length: len(decode(ids[:read]))
+    for k in range(len(ids)):
+        window = detokenize(ids[prefix:k]) if k > read else prefix_text
+        out.append(length + len(window) - len(prefix_text))
+        if k > read and len(window) > len(prefix_text) and not window.endswith(REPLACEMENT):
+            length, prefix, read = out[-1], read, k
+            prefix_text = detokenize(ids[prefix:read])
+    return out
 
 
 def usage_body(prompt_tokens, completion_tokens):

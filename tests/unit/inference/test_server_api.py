@@ -202,6 +202,14 @@ def test_incremental_text_equals_a_full_decode_of_any_ids(tokenizer):
             assert out == state.text == full
 
 
+def test_prefix_lengths_equal_full_decodes(tokenizer):
+    rng = torch.Generator().manual_seed(1)
+    for ids in (tokenizer.tokenize("naïve café — 日本語 ✓ ok 🙂"), torch.randint(0, tokenizer.vocab_size, (300,),
+                                                                               generator=rng).tolist()):
+        assert api.prefix_lengths(ids, tokenizer.detokenize) == [len(tokenizer.detokenize(ids[:k]))
+                                                                 for k in range(len(ids))]
+
+
 def test_host_work_per_id_does_not_grow_with_the_length(tokenizer):
     words = tokenizer.tokenize(" the quick brown fox jumps over a lazy dog, naïve café" * 60)
     per_id = {}
