@@ -153,6 +153,9 @@ class EngineWorker:
     def _run(self):
         engine, active = self.engine, {}  # Row -> engine Request
         try:
+            if engine.device.type == "cuda":  # the current device is per thread; graphs and NCCL use it
+                import torch
+                torch.cuda.set_device(engine.device)
             while True:
                 idle = not engine.has_work()
                 commands = []
