@@ -4,6 +4,7 @@ at the same batch (tokens/s), with time to first token and per output token.
     python benchmarks/serving_speed.py --device cuda --output benchmarks/results/serving_h200.json
         # the document's 1.72B model (random weights) in bf16 on a GPU
     python benchmarks/serving_speed.py --device cuda --load bloom_final      # a checkpoint or HF folder instead
+    python benchmarks/serving_speed.py --device cuda --tp 2                   # TP 2 over two GPUs (torchrun)
     python benchmarks/serving_speed.py --tiny                                 # a small fp32 model on the CPU
         [--clients 1 8 32 64 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
 
@@ -24,6 +25,8 @@ import json
 import os
 import platform
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-sync", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="engine timings per batch (best counts)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the server")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
+                             "the CPU); the engine figures are then the TP engine's")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: the server process
@@ -71,12 +77,15 @@ def parse_args(argv=None):
 
 # ---- the server process ------------------------------------------------------------------------------------------
 
-def build_model(args, device, dtype):
+def build_model(args, device, dtype, state=None):
+    """(model, tokenizer); under TP (state) this rank's slice of the same random weights (or of --load)."""
     import torch
+
+    if state is not None and state.tensor_model_parallel_size > 1:
+        return build_tp_model(args, device, dtype, state)
 
     from megatron.checkpoint import convert
     from megatron.checkpoint.hf import load_any
-    from megatron.config import ModelConfig
     from megatron.model import BloomModel
     from megatron.tokenizer import build_tokenizer
 
@@ -86,34 +95,69 @@ def build_model(args, device, dtype):
         return convert.build_model(merged, dtype, device=device), tokenizer
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=os.path.join(ROOT, "examples", "tokenizer"))
     torch.manual_seed(0)
-    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                         vocab_size=args.vocab, seq_length=args.prompt_len + args.new_tokens, attention_impl="torch",
-                         hidden_dropout=0.0, attention_dropout=0.0)
     with torch.device(device):
-        model = BloomModel(config, parallel_output=False).to(dtype)
+        model = BloomModel(weights_config(args), parallel_output=False).to(dtype)
     return model.eval(), tokenizer
 
 
+def build_tp_model(args, device, dtype, state):
+    import dataclasses
+
+    import torch
+
+    from megatron.checkpoint.convert import as_reader, read_shard_for, stage_names
+    from megatron.inference.loading import load_model
+    from megatron.model import BloomModel
+
+    if args.load:
+        model, tokenizer, _, _ = load_model(args.load, state, dtype_flag=args.dtype)
+        return model, tokenizer
+    full, tokenizer = build_model(args, device, dtype)  # every rank the same weights (seed 0), then its slice
+    tp = state.tensor_model_parallel_size
+    weights = read_shard_for(as_reader(full.state_dict()), stage_names(full.config, tp, 1)[0], state.tp_rank, tp)
+    del full
+    config = dataclasses.replace(weights_config(args), tensor_model_parallel_size=tp)
+    with torch.device(device):
+        model = BloomModel(config, parallel_output=False, tp_group=state.tp_group).to(dtype)
+    model.load_state_dict(weights["weights"], strict=True)
+    return model.eval(), tokenizer
+
+
+def weights_config(args):
+    from megatron.config import ModelConfig
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                       vocab_size=args.vocab, seq_length=args.prompt_len + args.new_tokens, attention_impl="torch",
+                       hidden_dropout=0.0, attention_dropout=0.0)
+
+
 def child(args):
-    """Builds the model and the engine, times the engine alone at each client count, serves until SIGTERM."""
+    """Builds the model and the engine, times the engine alone at each client count, serves until SIGTERM (under
+    TP: rank 0 serves, the other ranks follow its engine rounds)."""
     import torch
 
     from megatron.inference import InferenceEngine, SamplingParams
-    from megatron.inference.server import ServerSettings, bind, serve
+    from megatron.inference.loading import setup_tensor_parallel, tp_token_sync
+    from megatron.inference.server import ServerSettings, bind, serve, serve_tensor_parallel
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    state = setup_tensor_parallel(args.tp)
+    tp = state.tensor_model_parallel_size
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" \
+        else torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model, tokenizer = build_model(args, device, dtype)
+    model, tokenizer = build_model(args, device, dtype, state)
     context = args.prompt_len + args.new_tokens
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens)
     engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
-                             vocab_limit=tokenizer.vocab_size, cuda_graphs=device.type == "cuda")
+                             vocab_limit=tokenizer.vocab_size, cuda_graphs=device.type == "cuda",
+                             sync_tokens=tp_token_sync(state) if tp > 1 else None)
     prompts = [client_prompt(args, tokenizer.vocab_size, i) for i in range(max(args.clients))]
     figures = {"vocab_size": tokenizer.vocab_size, "engine_tokens_per_s": {}}
 
     def time_engine():  # on a thread of its own, as the server's engine runs
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         start = time.perf_counter()
         engine.warmup(every_bucket=True)  # what the server tool does at start-up
         figures["graphs"] = len(engine._graphs)
@@ -135,10 +179,18 @@ def child(args):
     thread = threading.Thread(target=time_engine)
     thread.start()
     thread.join()
-    print("ENGINE " + json.dumps(figures), flush=True)
     settings = ServerSettings(model_name="bench", max_new_tokens=args.new_tokens, steps_per_sync=args.steps_per_sync,
                               max_pending=max(1024, 2 * max(args.clients)), log_level="warning")
-    return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
+    if tp == 1:
+        print("ENGINE " + json.dumps(figures), flush=True)
+        return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
+    from megatron.initialize import shutdown_distributed
+    if state.tp_rank == 0:
+        print("ENGINE " + json.dumps(figures), flush=True)
+    code = serve_tensor_parallel(engine, tokenizer, settings, state, bind("127.0.0.1", 0) if state.tp_rank == 0
+                                 else None)
+    shutdown_distributed()
+    return code
 
 
 def client_prompt(args, vocab_size, client):
@@ -229,19 +281,21 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():
             sys.exit("--device cuda: no CUDA device here; run it on a GPU machine or pass --tiny")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
+    launcher = [sys.executable] if args.tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                      str(args.tp), "--master_port", str(free_port())]
+    cmd = launcher + [os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
     environment = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=environment)
     rows = []
     try:
-        engine, port, deadline = None, None, time.monotonic() + args.timeout
+        engine, port, server_pid, deadline = None, None, None, time.monotonic() + args.timeout
         for line in proc.stdout:
             if line.startswith("ENGINE "):
                 engine = json.loads(line[len("ENGINE "):])
                 engine["engine_tokens_per_s"] = {int(k): v for k, v in engine["engine_tokens_per_s"].items()}
-            match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+)", line)
+            match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+) \(pid (\d+)\)", line)
             if match:
-                port = int(match.group(1))
+                port, server_pid = int(match.group(1)), int(match.group(2))
                 break
             if time.monotonic() > deadline:
                 break
@@ -263,7 +317,10 @@ def main(argv=None):
                   f"{row['server_vs_engine']:>6.2f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} "
                   f"{row['ttft_max_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} {row['tpot_p95_ms']:>8.2f}", flush=True)
     finally:
-        proc.terminate()
+        if server_pid is not None:  # the serving process (TP rank 0) finishes, then stops the other ranks
+            os.kill(server_pid, signal.SIGTERM)
+        else:
+            proc.terminate()
         try:
             code = proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -277,6 +334,12 @@ def main(argv=None):
                        "graphs": engine["graphs"], "capture_s": engine["capture_s"], "rows": rows,
                        "server_exit_code": code}, f, indent=2)
     return 0 if code == 0 else 1
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_healthy(port, deadline):

@@ -162,29 +162,8 @@ def main(argv=None):
         return 2
     if state.tensor_model_parallel_size == 1:
         return server.serve(engine, tokenizer, settings, sock=sock)
-    return serve_tensor_parallel(engine, tokenizer, settings, state, sock)
-
-
-def serve_tensor_parallel(engine, tokenizer, settings, state, sock):
-    """Rank 0 answers HTTP and broadcasts each engine round; the other ranks follow it until it stops."""
-    import signal
-
-    from megatron.inference import server
-    from megatron.inference.scoring import Scorer
-    from megatron.inference.worker import PlanChannel, follow
     from megatron.initialize import shutdown_distributed
-
-    channel = PlanChannel(state)
-    if channel.is_source:
-        try:
-            code = server.serve(engine, tokenizer, settings, sock=sock, channel=channel)
-        finally:
-            channel.close()
-    else:
-        # rank 0 decides when to stop (SIGTERM there finishes the requests in flight, then tells this rank)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        code = follow(engine, Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size), channel)
+    code = server.serve_tensor_parallel(engine, tokenizer, settings, state, sock)
     shutdown_distributed()  # every rank got here normally (rank 0's stop reached the others)
     return code
 

@@ -400,3 +400,20 @@ def serve(engine, tokenizer, settings, sock=None, channel=None):
     if received:
         logger.info("server: stopped by %s", ", ".join(signal.Signals(s).name for s in received))
     return 0
+
+
+def serve_tensor_parallel(engine, tokenizer, settings, state, sock=None):
+    """serve() on TP rank 0, which broadcasts each engine round to the other ranks; they follow it (ignoring
+    SIGINT/SIGTERM: rank 0 finishes the requests in flight, then tells them to stop). Returns 0 on every rank."""
+    from megatron.inference.scoring import Scorer
+    from megatron.inference.worker import PlanChannel, follow
+
+    channel = PlanChannel(state)
+    if channel.is_source:
+        try:
+            return serve(engine, tokenizer, settings, sock=sock, channel=channel)
+        finally:
+            channel.close()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return follow(engine, Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size), channel)
