@@ -1,21 +1,23 @@
-"""Benchmark: the text generation server under 1, 8 and 32 concurrent streaming clients (tokens/s, TTFT, per token).
+"""Benchmark: the text generation server under 1, 8, 32 and 64 concurrent streaming clients against the engine alone
+at the same batch (tokens/s), with time to first token and per output token.
 
     python benchmarks/serving_speed.py --device cuda --output benchmarks/results/serving_h200.json
         # the document's 1.72B model (random weights) in bf16 on a GPU
     python benchmarks/serving_speed.py --device cuda --load bloom_final      # a checkpoint or HF folder instead
+    python benchmarks/serving_speed.py --device cuda --tp 2                   # TP 2 over two GPUs (torchrun)
     python benchmarks/serving_speed.py --tiny                                 # a small fp32 model on the CPU
-        [--clients 1 8 32 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
+        [--clients 1 8 32 64 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
 
-A child process builds the model and an InferenceEngine, times tools/generate_text.py's path at batch 1 there
-(engine.generate of one prompt, warm, best of --repeats: the baseline), then serves it with
-megatron.inference.server (the code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1.
-Each client is a thread that sends --requests-per-client streamed completions one after another: a fixed
---prompt-len token prompt (token ids, different per client), --new-tokens tokens, greedy, eod ignored so every
-completion has exactly --new-tokens tokens. Each concurrency starts with a warm-up round of one request per client
-(CUDA-graph captures of its batch and kv-length buckets), then the measured round. Per concurrency: aggregate
-tokens/s (all completion tokens / wall time of the round), time to first token (request sent -> first text chunk)
-and time per output token after the first ((last - first chunk) / (tokens - 1)), p50 and p95 over the requests.
-The ratios printed at the end: one client against the baseline (the goal: within 10%), N clients against one.
+A child process builds the model and one InferenceEngine (max batch = the most clients, every decode graph captured
+at start-up as tools/run_text_generation_server.py does), times the engine alone at each client count (engine.generate
+of that many prompts at once, the clients' own prompts, warm, best of --repeats: what the server could reach), then
+serves the same engine with megatron.inference.server (the code behind tools/run_text_generation_server.py) on a
+free port of 127.0.0.1. Each client is a thread that sends --requests-per-client streamed completions one after
+another: a fixed --prompt-len token prompt (token ids, different per client), --new-tokens tokens, greedy, eod
+ignored so every completion has exactly --new-tokens tokens. One warm-up request comes first. Per concurrency:
+aggregate tokens/s (all completion tokens / wall time of the round), the engine's tokens/s at that batch and the
+ratio server / engine, time to first token (request sent -> first text chunk: p50, p95, max) and time per output
+token after the first ((last - first chunk) / (tokens - 1)), p50 and p95 over the requests.
 """
 import argparse
 import http.client
@@ -23,6 +25,8 @@ import json
 import os
 import platform
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,13 +50,16 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on cuda")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 256 (64 with --tiny)")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--steps-per-sync", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="baseline timings (best counts)")
+    parser.add_argument("--repeats", type=int, default=3, help="engine timings per batch (best counts)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the server")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
+                             "the CPU); the engine figures are then the TP engine's")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: the server process
@@ -70,12 +77,15 @@ def parse_args(argv=None):
 
 # ---- the server process ------------------------------------------------------------------------------------------
 
-def build_model(args, device, dtype):
+def build_model(args, device, dtype, state=None):
+    """(model, tokenizer); under TP (state) this rank's slice of the same random weights (or of --load)."""
     import torch
+
+    if state is not None and state.tensor_model_parallel_size > 1:
+        return build_tp_model(args, device, dtype, state)
 
     from megatron.checkpoint import convert
     from megatron.checkpoint.hf import load_any
-    from megatron.config import ModelConfig
     from megatron.model import BloomModel
     from megatron.tokenizer import build_tokenizer
 
@@ -85,58 +95,102 @@ def build_model(args, device, dtype):
         return convert.build_model(merged, dtype, device=device), tokenizer
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=os.path.join(ROOT, "examples", "tokenizer"))
     torch.manual_seed(0)
-    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                         vocab_size=args.vocab, seq_length=args.prompt_len + args.new_tokens, attention_impl="torch",
-                         hidden_dropout=0.0, attention_dropout=0.0)
     with torch.device(device):
-        model = BloomModel(config, parallel_output=False).to(dtype)
+        model = BloomModel(weights_config(args), parallel_output=False).to(dtype)
     return model.eval(), tokenizer
 
 
+def build_tp_model(args, device, dtype, state):
+    import dataclasses
+
+    import torch
+
+    from megatron.checkpoint.convert import as_reader, read_shard_for, stage_names
+    from megatron.inference.loading import load_model
+    from megatron.model import BloomModel
+
+    if args.load:
+        model, tokenizer, _, _ = load_model(args.load, state, dtype_flag=args.dtype)
+        return model, tokenizer
+    full, tokenizer = build_model(args, device, dtype)  # every rank the same weights (seed 0), then its slice
+    tp = state.tensor_model_parallel_size
+    weights = read_shard_for(as_reader(full.state_dict()), stage_names(full.config, tp, 1)[0], state.tp_rank, tp)
+    del full
+    config = dataclasses.replace(weights_config(args), tensor_model_parallel_size=tp)
+    with torch.device(device):
+        model = BloomModel(config, parallel_output=False, tp_group=state.tp_group).to(dtype)
+    model.load_state_dict(weights["weights"], strict=True)
+    return model.eval(), tokenizer
+
+
+def weights_config(args):
+    from megatron.config import ModelConfig
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                       vocab_size=args.vocab, seq_length=args.prompt_len + args.new_tokens, attention_impl="torch",
+                       hidden_dropout=0.0, attention_dropout=0.0)
+
+
 def child(args):
-    """Builds the model, times the batch-1 baseline, serves until SIGTERM."""
+    """Builds the model and the engine, times the engine alone at each client count, serves until SIGTERM (under
+    TP: rank 0 serves, the other ranks follow its engine rounds)."""
     import torch
 
     from megatron.inference import InferenceEngine, SamplingParams
-    from megatron.inference.server import ServerSettings, bind, serve
+    from megatron.inference.loading import setup_tensor_parallel, tp_token_sync
+    from megatron.inference.server import ServerSettings, bind, serve, serve_tensor_parallel
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    state = setup_tensor_parallel(args.tp)
+    tp = state.tensor_model_parallel_size
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" \
+        else torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model, tokenizer = build_model(args, device, dtype)
+    model, tokenizer = build_model(args, device, dtype, state)
     context = args.prompt_len + args.new_tokens
-    prompt = client_prompt(args, tokenizer.vocab_size, 0)
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens)
-    single = InferenceEngine(model, max_batch_size=1, max_seq_len=context, eod_id=None,
-                             vocab_limit=tokenizer.vocab_size)  # tools/generate_text.py --batch-size 1
-    timings = []
+    engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
+                             vocab_limit=tokenizer.vocab_size, cuda_graphs=device.type == "cuda",
+                             sync_tokens=tp_token_sync(state) if tp > 1 else None)
+    prompts = [client_prompt(args, tokenizer.vocab_size, i) for i in range(max(args.clients))]
+    figures = {"vocab_size": tokenizer.vocab_size, "engine_tokens_per_s": {}}
 
-    def time_baseline():  # on a thread of its own, as the server's engine runs
-        single.generate([prompt], params)  # warm-up (graph capture)
-        for _ in range(args.repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = single.generate([prompt], params)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            timings.append((time.perf_counter() - start, len(out[0])))
+    def time_engine():  # on a thread of its own, as the server's engine runs
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        start = time.perf_counter()
+        engine.warmup(every_bucket=True)  # what the server tool does at start-up
+        figures["graphs"] = len(engine._graphs)
+        figures["capture_s"] = time.perf_counter() - start
+        for clients in args.clients:
+            engine.generate(prompts[:clients], params, steps_per_sync=args.steps_per_sync)  # warm
+            timings = []
+            for _ in range(args.repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = engine.generate(prompts[:clients], params, steps_per_sync=args.steps_per_sync)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                timings.append((time.perf_counter() - start, sum(len(o) for o in out)))
+            seconds, tokens = min(timings)
+            figures["engine_tokens_per_s"][clients] = tokens / seconds
 
-    thread = threading.Thread(target=time_baseline)
+    thread = threading.Thread(target=time_engine)
     thread.start()
     thread.join()
-    del single
-    seconds, tokens = min(timings)
-    baseline = {"tokens_per_s": tokens / seconds, "tokens": tokens, "vocab_size": tokenizer.vocab_size}
-    print("BASELINE " + json.dumps(baseline), flush=True)
-    engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
-                             vocab_limit=tokenizer.vocab_size)
-    with torch.no_grad():
-        engine.warmup()  # CUDA-graph captures of the decode step
     settings = ServerSettings(model_name="bench", max_new_tokens=args.new_tokens, steps_per_sync=args.steps_per_sync,
-                              log_level="warning")
-    return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
+                              max_pending=max(1024, 2 * max(args.clients)), log_level="warning")
+    if tp == 1:
+        print("ENGINE " + json.dumps(figures), flush=True)
+        return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
+    from megatron.initialize import shutdown_distributed
+    if state.tp_rank == 0:
+        print("ENGINE " + json.dumps(figures), flush=True)
+    code = serve_tensor_parallel(engine, tokenizer, settings, state, bind("127.0.0.1", 0) if state.tp_rank == 0
+                                 else None)
+    shutdown_distributed()
+    return code
 
 
 def client_prompt(args, vocab_size, client):
@@ -215,7 +269,7 @@ def summarize(clients, results):
     return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall, "per_client_tokens_per_s": statistics.mean(
                 r["tokens"] / (r["end"] - r["start"]) for r in results),
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95), "ttft_max_ms": max(ttft),
             "tpot_p50_ms": percentile(tpot, 50), "tpot_p95_ms": percentile(tpot, 95)}
 
 
@@ -227,17 +281,21 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():
             sys.exit("--device cuda: no CUDA device here; run it on a GPU machine or pass --tiny")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
+    launcher = [sys.executable] if args.tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                      str(args.tp), "--master_port", str(free_port())]
+    cmd = launcher + [os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
     environment = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=environment)
+    rows = []
     try:
-        baseline, port, deadline = None, None, time.monotonic() + args.timeout
+        engine, port, server_pid, deadline = None, None, None, time.monotonic() + args.timeout
         for line in proc.stdout:
-            if line.startswith("BASELINE "):
-                baseline = json.loads(line[len("BASELINE "):])
-            match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+)", line)
+            if line.startswith("ENGINE "):
+                engine = json.loads(line[len("ENGINE "):])
+                engine["engine_tokens_per_s"] = {int(k): v for k, v in engine["engine_tokens_per_s"].items()}
+            match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+) \(pid (\d+)\)", line)
             if match:
-                port = int(match.group(1))
+                port, server_pid = int(match.group(1)), int(match.group(2))
                 break
             if time.monotonic() > deadline:
                 break
@@ -245,41 +303,43 @@ def main(argv=None):
             raise RuntimeError("the server process did not start; its errors are above")
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
         wait_healthy(port, deadline)
-        vocab_size = baseline["vocab_size"]
-        describe(args, baseline)
-        rows = []
-        print(f"{'clients':>7} {'tok/s':>9} {'per client':>10} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
-              f"{'p95':>8}  (ms)")
+        vocab_size = engine["vocab_size"]
+        describe(args, engine)
+        run_round(args, port, 1, vocab_size, requests=1)  # warm-up (every decode graph was captured at start-up)
+        print(f"{'clients':>7} {'server tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'TTFT p50':>9} {'p95':>8} "
+              f"{'max':>8} {'TPOT p50':>9} {'p95':>8}  (ms)")
         for clients in args.clients:
-            run_round(args, port, clients, vocab_size, requests=1)  # warm-up: this load's graph captures
             row = summarize(clients, run_round(args, port, clients, vocab_size))
+            row["engine_tokens_per_s"] = engine["engine_tokens_per_s"][clients]
+            row["server_vs_engine"] = row["tokens_per_s"] / row["engine_tokens_per_s"]
             rows.append(row)
-            print(f"{clients:>7} {row['tokens_per_s']:>9.1f} {row['per_client_tokens_per_s']:>10.1f} "
-                  f"{row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} "
-                  f"{row['tpot_p95_ms']:>8.2f}", flush=True)
+            print(f"{clients:>7} {row['tokens_per_s']:>12.1f} {row['engine_tokens_per_s']:>12.1f} "
+                  f"{row['server_vs_engine']:>6.2f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} "
+                  f"{row['ttft_max_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} {row['tpot_p95_ms']:>8.2f}", flush=True)
     finally:
-        proc.terminate()
+        if server_pid is not None:  # the serving process (TP rank 0) finishes, then stops the other ranks
+            os.kill(server_pid, signal.SIGTERM)
+        else:
+            proc.terminate()
         try:
             code = proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-    ratios = {}
-    by_clients = {r["clients"]: r for r in rows}
-    if 1 in by_clients:
-        ratios["one_client_vs_generate_text"] = by_clients[1]["tokens_per_s"] / baseline["tokens_per_s"]
-        for clients in by_clients:
-            if clients > 1:
-                ratios[f"clients_{clients}_vs_one"] = (by_clients[clients]["tokens_per_s"]
-                                                        / by_clients[1]["tokens_per_s"])
-    print(f"baseline (tools/generate_text.py path, batch 1): {baseline['tokens_per_s']:.1f} tokens/s; "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; server exit code {code}")
+    print("server / engine at the same batch: " + ", ".join(f"{r['clients']} clients {r['server_vs_engine']:.2f}x"
+                                                             for r in rows) + f"; server exit code {code}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": device_name(args), "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-                       "baseline_batch1": baseline, "rows": rows, "ratios": ratios, "server_exit_code": code}, f,
-                      indent=2)
+                       "graphs": engine["graphs"], "capture_s": engine["capture_s"], "rows": rows,
+                       "server_exit_code": code}, f, indent=2)
     return 0 if code == 0 else 1
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_healthy(port, deadline):
@@ -302,12 +362,12 @@ def device_name(args):
     return torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
 
 
-def describe(args, baseline):
+def describe(args, engine):
     model = f"--load {args.load}" if args.load else (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
                                                       f"vocab {args.vocab} (random weights)")
     print(f"model: {model}, {args.dtype}, {device_name(args)}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync; "
-          f"baseline (generate_text path, batch 1): {baseline['tokens_per_s']:.1f} tokens/s", flush=True)
+          f"{engine['graphs']} decode graphs captured at start-up in {engine['capture_s']:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

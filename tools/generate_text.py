@@ -1,4 +1,4 @@
-"""Generate text from a checkpoint of any TP x PP layout (merged in memory) or a Hugging Face BLOOM folder.
+"""Generate text from a checkpoint of any TP x PP layout or a Hugging Face BLOOM folder (each rank reads its slices).
 
     python tools/generate_text.py --load checkpoints --prompt "The cat" --prompt "Once upon a time" \
         --max-new-tokens 32 --top-p 0.9 --temperature 0.8 --batch-size 2
@@ -7,7 +7,9 @@
 Generation runs on megatron.inference.InferenceEngine: a static KV cache, CUDA-graph decode steps on a GPU, and
 continuous batching (up to --batch-size prompts decode together; a finished one's slot goes to the next prompt).
 One process runs the whole model; under torchrun (WORLD_SIZE > 1) the model runs tensor-parallel over all
-processes (TP = WORLD_SIZE, PP = 1), rank 0's token choices are broadcast each step and only rank 0 prints.
+processes (TP = WORLD_SIZE = --tensor-model-parallel-size if given, PP = 1; each rank reads only its slices of a
+checkpoint of any layout, megatron/inference/loading.py), with CUDA graphs on a GPU; rank 0's token choices are
+broadcast each step and only rank 0 prints.
 """
 import argparse
 import json
@@ -49,26 +51,11 @@ def read_prompts(args):
     return prompts
 
 
-def setup_tensor_parallel():
-    """The ParallelState of a TP = world job under torchrun; one process's (TP 1, no group) otherwise."""
-    from megatron.core import parallel_state
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return parallel_state.ParallelState()
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return parallel_state.initialize_model_parallel(world, 1)
-
-
 def main(argv=None):
     from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine, SamplingParams
     from megatron.inference.checks import check_prompt_length
-    from megatron.inference.loading import device_and_dtype, load_checkpoint_and_tokenizer
+    from megatron.inference.loading import load_model, setup_tensor_parallel, tp_token_sync
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -79,25 +66,24 @@ def main(argv=None):
         if args.batch_size < 1:
             raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
         prompts = read_prompts(args)
-        merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
-                                                          args.tokenizer_name_or_path)
-        device, dtype = device_and_dtype(merged, args.dtype)
-        state = setup_tensor_parallel()
+        state = setup_tensor_parallel(args.tensor_model_parallel_size)
         tp, rank = state.tensor_model_parallel_size, state.tp_rank
-        model = convert.build_model(merged, dtype, tp=tp, tp_rank=rank, device=device, tp_group=state.tp_group)
+        model, tokenizer, device, dtype = load_model(args.load, state, args.num_partitions,
+                                                     args.tokenizer_name_or_path, args.dtype)
         prompt_ids = [tokenizer.tokenize(p) for p in prompts]
         if any(not ids for ids in prompt_ids):
             raise ValueError("a prompt tokenizes to no tokens; drop empty prompts")
         for i, ids in enumerate(prompt_ids):  # the same check and words as the server's HTTP 400
-            check_prompt_length(len(ids), params.max_new_tokens, merged.config.seq_length,
+            check_prompt_length(len(ids), params.max_new_tokens, model.config.seq_length,
                                 "prompt" if len(prompt_ids) == 1 else f"prompt {i}", "--max-new-tokens", "--prompt")
         engine = InferenceEngine(model, max_batch_size=min(args.batch_size, len(prompt_ids)),
                                  max_seq_len=max(len(ids) for ids in prompt_ids) + params.max_new_tokens,
                                  eod_id=tokenizer.eod, vocab_limit=tokenizer.vocab_size,
-                                 cuda_graphs=False if args.no_cuda_graphs else None,
-                                 sync_tokens=_broadcast_from_rank0 if tp > 1 else None)
+                                 cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+                                 sync_tokens=tp_token_sync(state) if tp > 1 else None)
     except (ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank fails the same check: one line
+            print(f"error: {err}", file=sys.stderr)
         return 2
 
     start = time.perf_counter()
@@ -121,13 +107,6 @@ def main(argv=None):
         from megatron.initialize import shutdown_distributed
         shutdown_distributed()
     return 0
-
-
-def _broadcast_from_rank0(tokens):
-    """Every TP rank samples the same tokens: rank 0's choice wins."""
-    import torch.distributed as dist
-    dist.broadcast(tokens, src=0)
-    return tokens
 
 
 if __name__ == "__main__":

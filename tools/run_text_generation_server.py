@@ -12,10 +12,17 @@ GET /health (200 once the model is loaded and the engine runs), PUT /api (Megatr
 "tokens_to_generate": n} for tools/text_generation_cli.py), and GET /tokenizer_info, POST /tokenize, POST /detokenize.
 
 Requests share one InferenceEngine with continuous batching: up to --max-batch-size completions decode together,
-a new one joins at the next engine step and leaves when done; greedy output does not depend on the batch. The
-server runs in one process on one device (tensor-parallel serving is not supported); it binds to 127.0.0.1
-unless --host says otherwise. SIGTERM or Ctrl-C finish the requests in flight (up to --shutdown-timeout
-seconds) and exit 0.
+a new one joins at the next engine step and leaves when done; greedy output does not depend on the batch. On a GPU
+every decode step shape (batch buckets up to --max-batch-size x kv-length buckets up to the context) is captured
+as a CUDA graph at start-up. Tensor-parallel serving:
+
+    torchrun --nproc_per_node 2 tools/run_text_generation_server.py --load CKPT [--tensor-model-parallel-size 2]
+
+runs the model at TP = the number of processes (each rank reads only its slices of a checkpoint of any layout);
+rank 0 answers HTTP and broadcasts each engine round (new requests, cancellations, the step) to the other ranks,
+which run the same steps. The server binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C finish
+the requests in flight (up to --shutdown-timeout seconds) and exit 0. A failed engine step answers every request
+it held or queued with HTTP 500 and GET /health answers 503 until the engine works again.
 """
 import argparse
 import logging
@@ -40,7 +47,8 @@ def parse_args(argv=None):
                         help="the model id of /v1/models and responses (default: the --load folder's name)")
     parser.add_argument("--max-batch-size", type=int, default=32,
                         help="completions decoding together (KV-cache slots; default: %(default)s); more wait for "
-                             "a free slot")
+                             "a free slot. On a GPU the decode step of every batch bucket up to it (1, 2, 4, ...) and "
+                             "every kv-length bucket up to the context is captured as a CUDA graph at start-up")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="the context: prompt + generated tokens (default: the model's --seq-length)")
     parser.add_argument("--max-new-tokens-limit", type=int, default=None,
@@ -81,65 +89,83 @@ def check_args(args):
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; pass a key or leave the flag out")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("the server runs as one process (tensor-parallel serving is not supported); start it with "
-                         "python, not torchrun")
+    if args.tensor_model_parallel_size is not None and args.tensor_model_parallel_size < 1:
+        raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} must be at least 1")
 
 
 def build(args):
-    """(engine, tokenizer, settings) for the parsed arguments: the model loaded onto the device, warmed up."""
+    """(engine, tokenizer, settings, state) for the parsed arguments: this rank's part of the model on the device,
+    every decode bucket's CUDA graph captured (so that serving never stops to capture)."""
+    import time
+
     from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine
+    from megatron.inference.loading import load_model, setup_tensor_parallel, tp_token_sync
     from megatron.inference.server import ServerSettings
-    from megatron.inference.loading import device_and_dtype, load_checkpoint_and_tokenizer
 
-    merged, tokenizer = load_checkpoint_and_tokenizer(args.load, args.num_partitions,
-                                                      args.tokenizer_name_or_path)
-    context = args.max_seq_len or merged.config.seq_length
+    state = setup_tensor_parallel(args.tensor_model_parallel_size)
+    model, tokenizer, device, dtype = load_model(args.load, state, args.num_partitions, args.tokenizer_name_or_path,
+                                                 args.dtype)
+    context = args.max_seq_len or model.config.seq_length
     limit = args.max_new_tokens_limit or context - 1
     if limit >= context:
         raise ValueError(f"--max-new-tokens-limit {limit} leaves no room for a prompt in the context of {context} "
                          "tokens; lower it or raise --max-seq-len")
-    device, dtype = device_and_dtype(merged, args.dtype)
-    model = convert.build_model(merged, dtype, device=device)
+    tp = state.tensor_model_parallel_size
     engine = InferenceEngine(model, max_batch_size=args.max_batch_size, max_seq_len=context,
                              eod_id=None if args.ignore_eos else tokenizer.eod, vocab_limit=tokenizer.vocab_size,
-                             cuda_graphs=False if args.no_cuda_graphs else None)
-    engine.warmup()  # CUDA-graph captures of the decode step
+                             cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
+                             sync_tokens=tp_token_sync(state) if tp > 1 else None)
+    start = time.perf_counter()
+    engine.warmup(every_bucket=True)  # every (batch, kv length) bucket up to --max-batch-size and the context
+    log = logging.getLogger(__name__)
+    if engine.cuda_graphs:
+        log.info("captured %d decode graphs (batch buckets up to --max-batch-size %d, kv lengths up to %d) in "
+                 "%.1f s", len(engine.decode_buckets()), args.max_batch_size, context, time.perf_counter() - start)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.load))
     settings = ServerSettings(model_name=name, max_new_tokens=limit, api_key=args.api_key,
                               steps_per_sync=args.steps_per_sync, max_body_bytes=args.max_body_bytes,
                               max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout, host=args.host,
                               port=args.port, log_level=args.log_level)
-    logging.getLogger(__name__).info(
-        "loaded %s: %s, %s, context %d tokens, %d slots", args.load, device, convert.DTYPE_NAMES[dtype],
-        context, args.max_batch_size)
-    return engine, tokenizer, settings
+    log.info("loaded %s: %s, %s, TP %d, context %d tokens, %d slots", args.load, device, convert.DTYPE_NAMES[dtype],
+             tp, context, args.max_batch_size)
+    return engine, tokenizer, settings, state
 
 
 def main(argv=None):
     from megatron.inference import server
 
     args = parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()) if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = None
     try:
         check_args(args)
-        sock = server.bind(args.host, args.port)  # before loading: a taken port fails at once
+        if rank == 0:
+            sock = server.bind(args.host, args.port)  # before loading: a taken port fails at once
     except OSError as err:
         print(f"error: --host {args.host} --port {args.port}: cannot listen there ({err.strerror or err}); pick "
               "another --port or stop what holds it", file=sys.stderr)
         return 2
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        engine, tokenizer, settings = build(args)
+        engine, tokenizer, settings, state = build(args)
     except (ValueError, RuntimeError) as err:
-        sock.close()
-        print(f"error: {err}", file=sys.stderr)
+        if sock is not None:
+            sock.close()
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
         return 2
-    return server.serve(engine, tokenizer, settings, sock=sock)
+    if state.tensor_model_parallel_size == 1:
+        return server.serve(engine, tokenizer, settings, sock=sock)
+    from megatron.initialize import shutdown_distributed
+    code = server.serve_tensor_parallel(engine, tokenizer, settings, state, sock)
+    shutdown_distributed()  # every rank got here normally (rank 0's stop reached the others)
+    return code
 
 
 if __name__ == "__main__":

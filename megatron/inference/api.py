@@ -246,6 +246,7 @@ class MegatronRequest:
     seed: object
     add_bos: bool = False
     stop: tuple = ()  # stop_on_eol / stop_on_double_eol: kept in the text, as Megatron does
+    stop_ids: tuple = ()  # stop_token: generation ends after it, its text kept (Megatron's termination id)
 
 
 def parse_megatron_request(body, limits):
@@ -298,13 +299,13 @@ def parse_megatron_request(body, limits):
     stop = (("\n",) if _bool(body, "stop_on_eol") else ()) + (("\n\n",) if _bool(body, "stop_on_double_eol") else ())
     _bool(body, "no_log")
     stop_token = body.get("stop_token")
-    if stop_token is not None and not _is_int(stop_token):
-        raise bad("stop_token", f"stop_token must be an integer (got {_show(stop_token)})")
+    if stop_token is not None and not (_is_int(stop_token) and 0 <= stop_token < limits.vocab_size):
+        raise bad("stop_token", f"stop_token must be a token id in [0, {limits.vocab_size}) (got {_show(stop_token)})")
     greedy = top_k == 1
     params = SamplingParams(greedy=greedy, temperature=temperature, top_k=0 if greedy else top_k,
                             top_p=top_p if top_p > 0 else 1.0, max_new_tokens=tokens)
     return MegatronRequest(prompts=prompts, tokens_to_generate=tokens, params=params, seed=seed, add_bos=add_bos,
-                           stop=stop)
+                           stop=stop, stop_ids=() if stop_token is None else (stop_token,))
 
 
 # ---- prompts -----------------------------------------------------------------------------------------------------
@@ -329,34 +330,80 @@ def tokenize_prompts(prompts, tokenizer, limits, max_tokens, field="prompt", tok
     return out
 
 
-def row_seed(seed, offset):
-    """The engine's int64 seed of choice `offset` of a request seeded with `seed` (wraps like int64)."""
-    return (seed + offset - INT64_MIN) % 2 ** 64 + INT64_MIN
+_GOLDEN, _MASK = 0x9E3779B97F4A7C15, (1 << 64) - 1
+
+
+def _mix64(x):
+    """splitmix64's finaliser: a bijection of 64-bit values."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def row_seed(seed, index):
+    """The engine's int64 seed of choice `index` of a request seeded with `seed` (choices count prompts x n).
+
+    Choice 0 samples with the request's seed itself (a request with n 1 equals tools/generate_text.py --seed);
+    choice k > 0 with a hash of (seed, k). Choices of one request never share a seed (the hash is a bijection of
+    mix(seed) + k), and choice k of seed s collides with choice j of another seed only by a 64-bit coincidence,
+    where seed + k, the old rule, made choice 1 of seed 5 the same sample as choice 0 of seed 6.
+    """
+    if index == 0:
+        return seed
+    value = _mix64((_mix64(seed & _MASK) + index * _GOLDEN) & _MASK)
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 # ---- streamed text -----------------------------------------------------------------------------------------------
 
 class IncrementalText:
-    """The text of a row's generated ids, handed out as deltas while it grows.
+    """The text of a row's generated ids, handed out as deltas while it grows, at a cost per id that does not grow
+    with the row's length.
 
-    update(ids, final) gets every id generated so far (a trailing eod is dropped) and returns the new text: only
-    the part that later tokens cannot change (no trailing U+FFFD of an unfinished UTF-8 character, nor a tail that
-    could begin a stop string), so the deltas concatenate exactly to `text` once final. `tokens` counts the ids
-    generated (an eod included). When a stop string appears the text is cut before it (or after it with
-    include_stop), `stopped` is set and `tokens` counts the ids up to the one that completed it.
+    update(new_ids, final) gets the ids generated since the last call and returns the new text: only the part that
+    later ids cannot change (no trailing U+FFFD of an unfinished UTF-8 character, nor a tail that could begin a stop
+    string), so the deltas concatenate exactly to `text` once final. Each id is decoded in a short window (vLLM's
+    prefix/read offsets): decode(ids[prefix:]) minus decode(ids[prefix:read]) is the id's new text once it no longer
+    ends in U+FFFD, and the offsets then move on; both offsets sit on character boundaries, so the pieces join to
+    decode(all ids). Stop strings are searched in the new text plus the last (longest stop - 1) characters.
+
+    `tokens` counts the ids generated (an eod included). When a stop string appears the text is cut before it (or
+    after it with include_stop), `stopped` is set and `tokens` counts the ids up to the one that completed it.
+    An id in stop_ids (Megatron's stop_token) ends the text after its own text, counted. `decoded` counts the ids
+    handed to detokenize (the host work, tested to be constant per id).
     """
 
-    def __init__(self, detokenize, eod_id=None, stop=(), include_stop=False):
+    def __init__(self, detokenize, eod_id=None, stop=(), include_stop=False, stop_ids=()):
         self.detokenize, self.eod_id = detokenize, eod_id
         self.stop, self.include_stop = tuple(stop), include_stop
-        self.emitted = ""  # what the deltas have handed out
+        self.stop_ids = frozenset(stop_ids)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # characters a stop string reaches back
         self.text = None  # the final text
         self.stopped = False
         self.tokens = 0
-        self._seen = 0  # ids checked for stop strings
+        self.decoded = 0
+        self._ids = []  # generated ids with text (no eod)
+        self._prefix = self._read = 0  # window offsets into _ids
+        self._prefix_text = ""  # decode(_ids[_prefix:_read])
+        self._pieces = []  # the text, piece by piece
+        self._length = 0
+        self._tail = ""  # the text's last `hold` characters
+        self._pending = ""  # text not handed out yet
+        self._emitted = 0  # characters handed out
 
-    def _ids(self, ids):
-        return list(ids[:-1]) if ids and self.eod_id is not None and ids[-1] == self.eod_id else list(ids)
+    def _decode(self, ids):
+        self.decoded += len(ids)
+        return self.detokenize(ids)
+
+    def _next_piece(self, flush):
+        """The text _ids[_read:] adds, or "" while it ends in an unfinished character (flush: take it anyway)."""
+        window = self._decode(self._ids[self._prefix:])
+        if len(window) <= len(self._prefix_text) or (window.endswith(REPLACEMENT) and not flush):
+            return ""
+        piece = window[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        return piece
 
     def _find_stop(self, text):
         """(start, end) of the earliest stop string in text, or None."""
@@ -367,36 +414,64 @@ class IncrementalText:
                 best = (at, at + len(s))
         return best
 
-    def update(self, ids, final=False):
+    def _append(self, piece):
+        """Adds a piece of text; True when it completes a stop string (the text is then cut and final)."""
+        found = None
+        if self.stop:
+            region = self._tail + piece  # a stop string found here ends inside piece (the tail held none)
+            found = self._find_stop(region)
+            start = self._length - len(self._tail)
+            self._tail = region[-self.hold:] if self.hold else ""
+        self._pieces.append(piece)
+        self._length += len(piece)
+        self._pending += piece
+        if found is None:
+            return False
+        self.stopped = True
+        self._finish(start + (found[1] if self.include_stop else found[0]))
+        return True
+
+    def _finish(self, cut=None):
+        """The final text (cut: its length); what was held back and survives the cut is handed out next."""
+        text = "".join(self._pieces)
+        self.text = text if cut is None else text[:cut]
+        self._pending = self.text[self._emitted:]  # the handed-out text never reaches into a stop string
+
+    def update(self, new_ids, final=False):
         if self.text is not None:
             return ""
-        generated, ids = len(ids), self._ids(ids)
-        text = self.detokenize(ids)
-        found = self._find_stop(text) if self.stop else None
-        if found is not None:
-            self.stopped, final = True, True
-            text = text[:found[1] if self.include_stop else found[0]]
-            # the first id whose text completes a stop string (earlier ids' text held none)
-            self.tokens = next(k for k in range(self._seen + 1, len(ids) + 1)
-                               if self._find_stop(self.detokenize(ids[:k])) is not None)
-        else:
-            self.tokens = generated  # a final eod counts: it was generated
-        self._seen = len(ids)
+        for token in new_ids:
+            self.tokens += 1
+            if self.eod_id is not None and token == self.eod_id:
+                final = True  # the row's last id; its text is not part of the completion
+                break
+            self._ids.append(token)
+            stop_id = token in self.stop_ids
+            piece = self._next_piece(flush=stop_id)
+            if piece and self._append(piece):
+                return self._hand_out()
+            if stop_id:
+                self.stopped = final = True
+                break
         if final:
-            self.text = text
-            stable = text
+            piece = self._next_piece(flush=True) if self._read < len(self._ids) else ""
+            if not (piece and self._append(piece)):
+                self._finish()
+        return self._hand_out()
+
+    def _hand_out(self):
+        if self.text is not None:
+            delta = self._pending
         else:
-            stable = text.rstrip(REPLACEMENT)
-            if self.stop:
-                stable = stable[:len(stable) - self._stop_prefix(stable)]
-        if len(stable) <= len(self.emitted) or not stable.startswith(self.emitted):
-            return ""
-        delta, self.emitted = stable[len(self.emitted):], stable
+            held = self._stop_prefix(self._tail) if self.stop else 0
+            delta = self._pending[:len(self._pending) - min(held, len(self._pending))]
+        self._pending = self._pending[len(delta):]
+        self._emitted += len(delta)
         return delta
 
     def _stop_prefix(self, text):
         """The length of the longest tail of text that is a proper prefix of a stop string."""
-        for length in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
+        for length in range(min(len(text), self.hold), 0, -1):
             tail = text[-length:]
             if any(s.startswith(tail) for s in self.stop):
                 return length
@@ -416,12 +491,7 @@ def logprobs_body(ids, scored, detokenize, first_offset=0, echo=True):
     ids: the prompt followed by the completion; scored: a scoring.Scored of ids[1:] (the first token has nothing to
     predict it: with echo its log-prob and top_logprobs are null). Without echo only the completion's tokens, from
     index first_offset (the prompt's length) on, are listed; their offsets still count the prompt's text."""
-    texts, offsets, length = [], [], 0
-    for k in range(len(ids)):
-        offsets.append(length)
-        text = detokenize(ids[:k + 1])
-        texts.append(detokenize([ids[k]]))
-        length = len(text)
+    texts, offsets = [detokenize([t]) for t in ids], prefix_lengths(ids, detokenize)
     token_logprobs = [None] + list(scored.logprobs)
     top = [None]
     for k in range(len(scored.logprobs)):
@@ -434,6 +504,20 @@ def logprobs_body(ids, scored, detokenize, first_offset=0, echo=True):
     start = 0 if echo else first_offset
     return {"tokens": texts[start:], "token_logprobs": token_logprobs[start:], "top_logprobs": top[start:],
             "text_offset": offsets[start:]}
+
+
+def prefix_lengths(ids, detokenize):
+    """[len(detokenize(ids[:k])) for k in range(len(ids))], decoding a short window per id (IncrementalText's
+    offsets): the text up to the last character boundary `read` is known, and decode(ids[prefix:k]) less
+    decode(ids[prefix:read]) is the length the ids since then add, unfinished characters' U+FFFD included."""
+    out, prefix, read, prefix_text, length = [], 0, 0, "", 0  # length: len(decode(ids[:read]))
+    for k in range(len(ids)):
+        window = detokenize(ids[prefix:k]) if k > read else prefix_text
+        out.append(length + len(window) - len(prefix_text))
+        if k > read and len(window) > len(prefix_text) and not window.endswith(REPLACEMENT):
+            length, prefix, read = out[-1], read, k
+            prefix_text = detokenize(ids[prefix:read])
+    return out
 
 
 def usage_body(prompt_tokens, completion_tokens):

@@ -1,7 +1,7 @@
 """The checks generation and serving share: the tokenizer against the model, a prompt's length against the context.
 
-tools/generate_text.py and tools/run_text_generation_server.py load through loading.load_checkpoint_and_tokenizer,
-which calls check_tokenizer_fits_model; both (and the server's API, api.tokenize_prompts) measure prompts with
+tools/generate_text.py and tools/run_text_generation_server.py load through loading.load_model (loading.tokenizer_for,
+which calls check_tokenizer_fits_model); both (and the server's API, api.tokenize_prompts) measure prompts with
 check_prompt_length, so a prompt the server answers with HTTP 400 is refused by generate_text.py with the same
 words.
 """

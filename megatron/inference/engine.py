@@ -127,6 +127,7 @@ class InferenceEngine:
         self.scratch = max_batch_size
         self.active = torch.full((max_batch_size,), self.scratch, dtype=torch.long, device=self.device)
         self.last_decode_batch = None  # the batch bucket of the latest decode step
+        self.copied_tokens = 0  # generated ids copied to the host (one per new id and row slot at each sync)
 
     def _init_slot_state(self):
         b, dev = self.max_batch + 1, self.device  # + the scratch slot (always done)
@@ -377,18 +378,30 @@ class InferenceEngine:
         return graph, logits
 
     def _collect(self):
-        """The one host synchronisation: reads counts, done flags and tokens; finishes and frees done rows."""
+        """The one host synchronisation: copies each running row's count, done flag and only the tokens it produced
+        since the last sync (one (rows, 2 + new) device-to-host copy; `copied_tokens` counts the ids copied);
+        extends each request's output; finishes and frees done rows."""
         if not self.running:
             return []
         top = max(self.running) + 1
-        count = self.count[:top].cpu()
-        done = self.done[:top].cpu()
-        width = int(count.max())
-        out = self.out[:top, :width].cpu()
+        synced = [0] * top  # ids of each slot already on the host
+        for slot, request in self.running.items():
+            synced[slot] = len(request.output)
+        width = max(r._host_count - len(r.output) for r in self.running.values())  # >= the new ids of any row
+        parts = [self.count[:top, None], self.done[:top, None].long()]
+        if width > 0:
+            base = torch.tensor(synced, dtype=torch.long)
+            base = base.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else base
+            columns = (base[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_new_cap)
+            parts.append(self.out[:top].gather(1, columns))  # (top, width)
+        host = torch.cat(parts, dim=1).cpu()
+        self.copied_tokens += top * width
         finished = []
         for slot, request in list(self.running.items()):
-            request.output = out[slot, :int(count[slot])].tolist()
-            if done[slot]:
+            count, done = int(host[slot, 0]), bool(host[slot, 1])
+            if count > synced[slot]:
+                request.output.extend(host[slot, 2:2 + count - synced[slot]].tolist())
+            if done:
                 request.finish_reason = "stop" if request.output and request.output[-1] == self.eod_id \
                     else "length"
                 self._release(request)
@@ -405,18 +418,31 @@ class InferenceEngine:
         heapq.heappush(self._free, request.slot)
         request.slot = None
 
+    def decode_buckets(self):
+        """Every (batch bucket, kv-length bucket) a decode step can run with (the fused step: one graph per batch
+        bucket, kv length None, since its attention kernel reads each row's own length)."""
+        if self.decoder is not None:
+            return [(b, None) for b in self._batch_buckets]
+        kv_lengths = sorted({min(self.max_seq_len, k) for k in range(self.kv_bucket, self.max_seq_len
+                                                                       + self.kv_bucket, self.kv_bucket)})
+        return [(b, k) for b in self._batch_buckets for k in kv_lengths]
+
     @torch.no_grad()
-    def warmup(self, batch_sizes=None, kv_lengths=None):
+    def warmup(self, batch_sizes=None, kv_lengths=None, every_bucket=False):
         """Captures the decode graphs of the given buckets now (default: every batch bucket; unfused: the first kv
-        bucket). A capture's warm-up writes running rows' keys/values, the same ones their next step writes."""
+        bucket; every_bucket: all of decode_buckets(), so that serving never captures). A capture's warm-up writes
+        running rows' keys/values, the same ones their next step writes."""
         if not self.cuda_graphs:
             return
         self._sync_order()
-        if self.decoder is not None:
-            kv_lengths = [None]
+        if every_bucket:
+            keys = self.decode_buckets()
         else:
-            kv_lengths = kv_lengths or [min(self.max_seq_len, self.kv_bucket)]
-        for batch in batch_sizes or self._batch_buckets:
-            for kv_len in kv_lengths:
-                if (batch, kv_len) not in self._graphs:
-                    self._graphs[(batch, kv_len)] = self._capture((batch, kv_len))
+            if self.decoder is not None:
+                kv_lengths = [None]
+            else:
+                kv_lengths = kv_lengths or [min(self.max_seq_len, self.kv_bucket)]
+            keys = [(b, k) for b in batch_sizes or self._batch_buckets for k in kv_lengths]
+        for key in keys:
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(key)

@@ -1,5 +1,12 @@
-"""What generation and serving load: a checkpoint of any layout (merged in memory) or an HF folder, and its tokenizer;
-the command-line flags tools/generate_text.py and tools/run_text_generation_server.py share to choose it."""
+"""What generation and serving load: a checkpoint of any layout or an HF folder, and its tokenizer; the command-line
+flags tools/generate_text.py and tools/run_text_generation_server.py share to choose it.
+
+load_model builds this process's part of the model: under torchrun (WORLD_SIZE > 1) the model runs tensor-parallel
+over every process (TP = --tensor-model-parallel-size, which must equal the number of processes; PP 1), each rank
+reading only its own slices of the checkpoint's tensors (megatron/evaluation/loading.py's reader: any saved TP x PP
+layout, no merged copy); one process reads the whole model.
+"""
+import dataclasses
 import os
 
 from megatron.checkpoint.convert import DTYPES
@@ -19,6 +26,9 @@ def add_model_flags(parser):
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                         help="auto: the stored dtype on GPU, fp32 on CPU")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                        help="TP size to run at: the number of processes torchrun starts (default: that number; "
+                             "the checkpoint's own TP need not match, its tensors are sliced on load)")
 
 
 def device_and_dtype(merged, dtype_flag):
@@ -35,12 +45,76 @@ def load_checkpoint_and_tokenizer(path, num_partitions=None, tokenizer_dir=None)
     """(MergedCheckpoint, tokenizer) for --load path; tokenizer_dir overrides the checkpoint's own tokenizer.
     Raises ValueError naming the flag when there is no tokenizer or it does not fit the model's vocabulary."""
     merged = load_any(path, num_partitions)
-    own_dir = merged.tokenizer_dir
+    return merged, tokenizer_for(merged, path, tokenizer_dir)
+
+
+def tokenizer_for(source, path, tokenizer_dir=None):
+    """The tokenizer of --load path (source: its MergedCheckpoint or reader), or --tokenizer-name-or-path, checked
+    against the model's vocabulary and the checkpoint's own tokenizer (ValueError naming the flag)."""
+    own_dir = source.tokenizer_dir
     tokenizer_dir = tokenizer_dir or own_dir
     if tokenizer_dir is None:
         raise ValueError(f"--load {path} has no tokenizer; pass --tokenizer-name-or-path FOLDER")
     tokenizer = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=tokenizer_dir)
     overridden = own_dir is not None and os.path.realpath(own_dir) != os.path.realpath(tokenizer_dir)
     own = build_tokenizer("PretrainedFromHF", tokenizer_name_or_path=own_dir) if overridden else None
-    check_tokenizer_fits_model(tokenizer, tokenizer_dir, merged.config.vocab_size, merged.run_config, own, own_dir)
-    return merged, tokenizer
+    check_tokenizer_fits_model(tokenizer, tokenizer_dir, source.config.vocab_size,
+                               getattr(source, "run_config", None), own, own_dir)
+    return tokenizer
+
+
+def setup_tensor_parallel(tp=None):
+    """This process's ParallelState: TP over the torchrun world (gloo on CPU, NCCL on GPU), or one process's
+    (TP 1, no group). ValueError names the flag when --tensor-model-parallel-size is not the world size."""
+    import torch
+
+    from megatron.core import parallel_state
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp is not None and tp != world:
+        raise ValueError(f"--tensor-model-parallel-size {tp} but {world} process{'es were' if world > 1 else ' was'} "
+                         f"launched; start it with torchrun --nproc_per_node {tp} (PP and DP replicas are not served)")
+    if world == 1:
+        return parallel_state.ParallelState()
+    import torch.distributed as dist
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return parallel_state.initialize_model_parallel(world, 1)
+
+
+def tp_token_sync(state):
+    """The engine's sync_tokens under TP: every rank uses the first TP rank's sampled tokens."""
+    import torch.distributed as dist
+    src, group = state.tp_ranks[0], state.tp_group
+
+    def sync(tokens):
+        dist.broadcast(tokens, src=src, group=group)
+        return tokens
+    return sync
+
+
+def load_model(path, state, num_partitions=None, tokenizer_dir=None, dtype_flag="auto"):
+    """(model, tokenizer, device, dtype) of this rank: a BloomModel (parallel_output=False, eval mode, on the device)
+    holding this TP rank's slices of --load, and its tokenizer (tokenizer_for)."""
+    import torch
+
+    from megatron.checkpoint.convert import read_shard_for, stage_names
+    from megatron.evaluation.loading import open_reader
+    from megatron.model.bloom import BloomModel
+
+    reader = open_reader(path, num_partitions)
+    try:
+        tokenizer = tokenizer_for(reader, path, tokenizer_dir)
+        tp, rank = state.tensor_model_parallel_size, state.tp_rank
+        device, dtype = device_and_dtype(reader, dtype_flag)
+        config = dataclasses.replace(reader.config, tensor_model_parallel_size=tp, attention_impl="torch",
+                                     hidden_dropout=0.0, attention_dropout=0.0)
+        names = stage_names(reader.config, tp, 1, tp_flag="--tensor-model-parallel-size")[0]
+        weights = read_shard_for(reader, names, rank, tp, dtype)["weights"]
+    finally:
+        reader.close()
+    with torch.random.fork_rng(devices=[]):
+        model = BloomModel(config, parallel_output=False, tp_group=state.tp_group)
+    model.load_state_dict(weights, strict=True)
+    return model.to(device=device, dtype=dtype).eval(), tokenizer, device, dtype

@@ -2,7 +2,8 @@
 
     POST /v1/completions   OpenAI completions (prompt: a string, strings or token ids; stream: server-sent events)
     GET  /v1/models        the one served model
-    GET  /health           200 with the engine's counters while the engine thread runs, 503 otherwise
+    GET  /health           200 with the engine's counters while the engine runs and its last step succeeded;
+                           503 after a failed step (until a step or a device probe succeeds) or once stopped
     PUT  /api              Megatron-LM's text generation request ({"prompts": [...], "tokens_to_generate": n})
     GET  /tokenizer_info   the special tokens and the context (what lm-eval's remote tokenizer reads)
     POST /tokenize         {"prompt": text} -> {"tokens": [...], "count", "max_model_len"}
@@ -14,8 +15,10 @@ text_offset) of the completion, and of the prompt too with "echo": true (its fir
 (megatron/inference/scoring.py), so lm-eval's local-completions backend gets the scores of our own backend.
 
 Threads: the HTTP side runs on one asyncio loop (uvicorn); one EngineWorker thread owns the engine (worker.py:
-the thread, and the Job/Row objects that carry each request's ids back to the loop). Text, stop strings and
-responses are made on the loop, so the worker only steps.
+the thread, and the Job/Row objects that carry each request's new ids back to the loop). Tokenizing prompts and
+detokenizing whole sequences run on a small thread pool, off the loop; the streamed text is decoded incrementally
+on the loop (a few ids per new id, api.IncrementalText). Under tensor parallelism this process is TP rank 0 and its
+worker broadcasts each engine round to the other ranks (worker.follow).
 
 A client that disconnects (mid-stream or while waiting) has its rows cancelled; a stop string cancels its row.
 SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to shutdown_timeout seconds,
@@ -49,6 +52,7 @@ class ServerSettings:
     steps_per_sync: int = 8  # decode steps per engine synchronisation (tokens reach clients in bursts of this)
     max_body_bytes: int = 1 << 20
     max_pending: int = 1024  # rows queued or running; more are refused with 503
+    tokenizer_threads: int = 4  # the pool that tokenizes prompts off the event loop
     shutdown_timeout: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -57,8 +61,11 @@ class ServerSettings:
 
 # ---- the application ---------------------------------------------------------------------------------------------
 
-def build_app(engine, tokenizer, settings):
-    """The FastAPI application serving engine (its EngineWorker starts and stops with the app's lifespan)."""
+def build_app(engine, tokenizer, settings, channel=None):
+    """The FastAPI application serving engine (its EngineWorker starts and stops with the app's lifespan).
+    channel: the worker's PlanChannel to the other tensor-parallel ranks (None: one process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -81,8 +88,13 @@ def build_app(engine, tokenizer, settings):
 
     from megatron.inference.scoring import Scorer
 
-    worker = EngineWorker(engine, settings.steps_per_sync)
     scorer = Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size)
+    worker = EngineWorker(engine, settings.steps_per_sync, scorer=scorer, channel=channel)
+    pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenizer")
+
+    async def off_loop(fn, *args):
+        """fn(*args) on the tokenizer pool (tokenizing a long prompt must not stall every stream)."""
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     limits = api.Limits(max_new_tokens=settings.max_new_tokens, context=engine.max_seq_len,
                         vocab_size=tokenizer.vocab_size)
     eod = tokenizer.eod if engine.eod_id >= 0 else None
@@ -96,6 +108,7 @@ def build_app(engine, tokenizer, settings):
                     limits.context, engine.max_batch, limits.max_new_tokens)
         yield
         await asyncio.to_thread(worker.stop)
+        pool.shutdown(wait=False)
 
     app = FastAPI(title="Megatron-DeepSpeed BLOOM text generation", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
@@ -159,7 +172,7 @@ def build_app(engine, tokenizer, settings):
     def release(job):
         pending[0] -= len(job.rows)
 
-    def start_job(prompt_ids, params, seed, n, stop, include_stop=False):
+    def start_job(prompt_ids, params, seed, n, stop, include_stop=False, stop_ids=()):
         count = len(prompt_ids) * n
         if not worker.alive:
             raise APIError(503, "the engine is not running (the server is stopping); retry later")
@@ -171,7 +184,7 @@ def build_app(engine, tokenizer, settings):
         job = Job(worker, release)
         for i, ids in enumerate(prompt_ids):
             for j in range(n):
-                text = api.IncrementalText(tokenizer.detokenize, eod, stop, include_stop)
+                text = api.IncrementalText(tokenizer.detokenize, eod, stop, include_stop, stop_ids)
                 job.add(Row(job, i * n + j, ids, params, api.row_seed(seed, i * n + j), text))
         pending[0] += count
         worker.submit(job.rows)
@@ -197,8 +210,11 @@ def build_app(engine, tokenizer, settings):
     @app.get("/health")
     async def health():
         stats = dict(worker.stats, pending=pending[0])
-        return JSONResponse({"status": "ok" if worker.alive else "stopped", "model": settings.model_name, **stats},
-                            status_code=200 if worker.alive else 503)
+        status = "ok" if worker.alive and worker.healthy else "unhealthy" if worker.alive else "stopped"
+        body = {"status": status, "model": settings.model_name, **stats}
+        if status != "ok" and worker.last_error:
+            body["error"] = worker.last_error
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -211,11 +227,11 @@ def build_app(engine, tokenizer, settings):
             raise APIError(503, "the engine is not running (the server is stopping); retry later")
         spans = [(0, seq[1:]) for seq in sequences]
         try:
-            scored = await worker.call(lambda: scorer.score(sequences, spans, top_n))
+            scored = await worker.score(sequences, spans, top_n)
         except Exception as err:  # noqa: BLE001  the engine thread logged it
             raise APIError(500, f"scoring the tokens failed ({type(err).__name__}); see the server log") from err
-        return [api.logprobs_body(seq, s, tokenizer.detokenize, length, echo)
-                for seq, s, length in zip(sequences, scored, prompt_lengths)]
+        return await off_loop(lambda: [api.logprobs_body(seq, s, tokenizer.detokenize, length, echo)
+                                       for seq, s, length in zip(sequences, scored, prompt_lengths)])
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):
@@ -233,7 +249,7 @@ def build_app(engine, tokenizer, settings):
         text = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise APIError(400, "prompt must be a string (the text to tokenize)", param="prompt")
-        ids = tokenizer.tokenize(text)
+        ids = await off_loop(tokenizer.tokenize, text)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits.context})
 
     @app.post("/detokenize")
@@ -243,15 +259,16 @@ def build_app(engine, tokenizer, settings):
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(api._is_int(t) and 0 <= t < limits.vocab_size for t in ids):
             raise APIError(400, f"tokens must be a list of token ids in [0, {limits.vocab_size})", param="tokens")
-        return JSONResponse({"prompt": tokenizer.detokenize(ids)})
+        return JSONResponse({"prompt": await off_loop(tokenizer.detokenize, ids)})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
         req = api.parse_completion_request(await read_json(request), limits)
         check_model(req.model)
-        ids = api.tokenize_prompts(req.prompts, tokenizer, limits, req.max_tokens)
-        echo = [p if isinstance(p, str) else tokenizer.detokenize(p) for p in req.prompts] if req.echo else None
+        ids = await off_loop(api.tokenize_prompts, req.prompts, tokenizer, limits, req.max_tokens)
+        echo = await off_loop(lambda: [p if isinstance(p, str) else tokenizer.detokenize(p) for p in req.prompts]) \
+            if req.echo else None
         request_id, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(i) for i in ids)
         if req.max_tokens == 0:  # echo + logprobs: the prompts scored, nothing generated
@@ -308,14 +325,15 @@ def build_app(engine, tokenizer, settings):
     async def megatron_api(request: Request):
         authorize(request)
         req = api.parse_megatron_request(await read_json(request), limits)
-        ids = api.tokenize_prompts(req.prompts, tokenizer, limits, req.tokens_to_generate, field="prompts",
-                                   tokens_field="tokens_to_generate", prefix_ids=[tokenizer.eod] if req.add_bos else ())
-        job = start_job(ids, req.params, req.seed, 1, req.stop, include_stop=True)
+        ids = await off_loop(lambda: api.tokenize_prompts(
+            req.prompts, tokenizer, limits, req.tokens_to_generate, field="prompts", tokens_field="tokens_to_generate",
+            prefix_ids=[tokenizer.eod] if req.add_bos else ()))
+        job = start_job(ids, req.params, req.seed, 1, req.stop, include_stop=True, stop_ids=req.stop_ids)
         if not await finish(request, job):
             return Response(status_code=499)
         texts = [prompt + row.text.text for prompt, row in zip(req.prompts, job.rows)]
-        segments = [[tokenizer.detokenize([t]) for t in row.prompt_ids + row.output[:row.text.tokens]]
-                    for row in job.rows]
+        segments = await off_loop(lambda: [[tokenizer.detokenize([t]) for t in row.prompt_ids
+                                            + row.output[:row.text.tokens]] for row in job.rows])
         return JSONResponse({"text": texts, "segments": segments, "logprobs": None})
 
     return app
@@ -353,15 +371,16 @@ def bind(host, port):
     return sock
 
 
-def serve(engine, tokenizer, settings, sock=None):
+def serve(engine, tokenizer, settings, sock=None, channel=None):
     """Serves engine until SIGTERM or SIGINT (then finishes in-flight requests, up to settings.shutdown_timeout
-    seconds) and returns 0. sock: an already bound socket (default: bind settings.host:settings.port)."""
+    seconds) and returns 0. sock: an already bound socket (default: bind settings.host:settings.port); channel: the
+    PlanChannel to the other tensor-parallel ranks (they run worker.follow meanwhile)."""
     import uvicorn
 
     if sock is None:
         sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
-    app = build_app(engine, tokenizer, settings)
+    app = build_app(engine, tokenizer, settings, channel)
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
                             timeout_keep_alive=5, server_header=False)
     server = uvicorn.Server(config)
@@ -381,3 +400,20 @@ def serve(engine, tokenizer, settings, sock=None):
     if received:
         logger.info("server: stopped by %s", ", ".join(signal.Signals(s).name for s in received))
     return 0
+
+
+def serve_tensor_parallel(engine, tokenizer, settings, state, sock=None):
+    """serve() on TP rank 0, which broadcasts each engine round to the other ranks; they follow it (ignoring
+    SIGINT/SIGTERM: rank 0 finishes the requests in flight, then tells them to stop). Returns 0 on every rank."""
+    from megatron.inference.scoring import Scorer
+    from megatron.inference.worker import PlanChannel, follow
+
+    channel = PlanChannel(state)
+    if channel.is_source:
+        try:
+            return serve(engine, tokenizer, settings, sock=sock, channel=channel)
+        finally:
+            channel.close()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return follow(engine, Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size), channel)

@@ -1,12 +1,28 @@
 """The server's engine thread and the rows of one HTTP request (no HTTP here; server.py builds the routes on it).
 
-The engine is not thread-safe, so one EngineWorker thread owns it. The asyncio loop hands new rows and
-cancellations to the worker through a queue; the worker admits them at its next step (continuous batching), runs
-step(steps_per_sync), and hands each row's new ids back to the loop with call_soon_threadsafe. A Job (on the loop)
-turns those ids into text deltas, applies stop strings and queues events for its HTTP handler.
+The engine is not thread-safe, so one EngineWorker thread owns it. The asyncio loop hands new rows, cancellations
+and scoring calls to the worker through a queue; the worker applies them between steps (continuous batching), runs
+step(steps_per_sync), and hands each row's new ids (only those: the host work per token does not grow with the
+row's length) back to the loop with call_soon_threadsafe. A Job (on the loop) turns those ids into text deltas,
+applies stop strings and queues events for its HTTP handler.
+
+Tensor parallelism: every TP rank holds a slice of the model and must run the same engine steps. Rank 0's worker
+turns each round of commands into a plan (new rows as (key, prompt ids, sampling parameters, seed), cancelled
+keys, scoring calls, the number of decode steps) and broadcasts it over a CPU (gloo) group before running it;
+the other ranks run follow(), which applies the same plan to their engine, so all ranks admit, cancel and step
+identically (the engine's sync_tokens makes every rank use rank 0's sampled tokens).
+
+Failures: a failed step fails every row the engine holds and every row queued behind it (HTTP 500; a stream gets
+an error event, then its end) and marks the worker unhealthy (GET /health answers 503) until a step or, while
+idle, a probe of the device succeeds. A failure of the thread itself answers everything queued and refuses
+what comes later. Under TP a step that raises on rank 0 may have run (or hang) on the other ranks, so it stops the
+engine thread for good (/health 503 "stopped": restart the server). The test hook MEGATRON_TEST_ENGINE_FAULT=PATH makes every step fail while PATH exists (under
+TP rank 0 decides and the plan carries the fault, so every rank fails the same step).
 """
 import asyncio
+import itertools
 import logging
+import os
 import queue
 import threading
 
@@ -14,17 +30,27 @@ from megatron.inference.api import APIError
 
 logger = logging.getLogger(__name__)
 
+FAULT_HOOK = "MEGATRON_TEST_ENGINE_FAULT"
+PROBE_INTERVAL = 1.0  # seconds between device probes while unhealthy and idle
+
+
+class InjectedFault(RuntimeError):
+    pass
+
 
 # ---- the engine thread -------------------------------------------------------------------------------------------
 
 class Row:
     """One completion (a prompt, one of its n samples): created on the loop, stepped by the worker."""
 
+    _keys = itertools.count()
+
     def __init__(self, job, index, prompt_ids, params, seed, text):
         self.job, self.index, self.prompt_ids, self.params, self.seed = job, index, prompt_ids, params, seed
+        self.key = next(Row._keys)  # names the row in a TP plan
         self.text = text  # api.IncrementalText
         self.finish_reason = None
-        self.output = []  # the ids generated so far (set on the loop)
+        self.output = []  # the ids generated so far (extended on the loop)
         self.published = 0  # ids handed to the loop (worker thread only)
 
     @property
@@ -32,16 +58,58 @@ class Row:
         return self.finish_reason is not None
 
 
-class EngineWorker:
-    """Owns the InferenceEngine on one thread: admits rows, steps, publishes each row's new ids to the loop."""
+class PlanChannel:
+    """Rank 0's plans to the other TP ranks: broadcast_object_list over a gloo group of the TP ranks (a CPU
+    channel, so it never waits on the device's stream; its timeout is long, the server may idle for days)."""
 
-    def __init__(self, engine, steps_per_sync=8):
+    def __init__(self, state):
+        import datetime
+
+        import torch.distributed as dist
+
+        ranks = list(state.tp_ranks)
+        self.src = ranks[0]
+        self.group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(days=365))
+        self.is_source = dist.get_rank() == self.src
+        self.stopped = False
+
+    def send(self, plan):
+        import torch.distributed as dist
+        self.stopped = self.stopped or any(kind == "stop" for kind, _ in plan)
+        dist.broadcast_object_list([plan], src=self.src, group=self.group)
+
+    def close(self):
+        """Rank 0: tells the other ranks to stop, unless a plan did already (the worker never started)."""
+        if not self.stopped:
+            self.send([("stop", None)])
+
+    def receive(self):
+        import torch.distributed as dist
+        box = [None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+
+class EngineWorker:
+    """Owns the InferenceEngine on one thread: admits rows, steps, publishes each row's new ids to the loop.
+
+    scorer: runs the ("score", ...) commands (the server's logprobs) on the engine thread, on every TP rank.
+    channel: a PlanChannel under tensor parallelism (this is rank 0), else None."""
+
+    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None):
         self.engine = engine
         self.steps_per_sync = steps_per_sync
+        self.scorer = scorer
+        self.channel = channel
         self._commands = queue.SimpleQueue()
+        self._lock = threading.Lock()  # alive and the command queue change together (nothing is queued after death)
         self._thread = None
         self._loop = None
         self.alive = False
+        self.healthy = True
+        self.last_error = None
+        self._fault_path = os.environ.get(FAULT_HOOK)
+        self._desynced = False  # TP: a step failed on this rank but maybe not on the others
         self.stats = {"running": 0, "waiting": 0, "peak_running": 0, "steps": 0, "finished": 0, "cancelled": 0,
                       "errors": 0}
 
@@ -51,65 +119,132 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
+    def _put(self, command):
+        """Queues a command; False when the worker has died (nothing would ever answer it)."""
+        with self._lock:
+            if not self.alive:
+                return False
+            self._commands.put(command)
+            return True
+
     def submit(self, rows):
-        self._commands.put(("add", rows))
+        if not self._put(("add", rows)):
+            self._post([(row, [], "error") for row in rows])
 
     def cancel(self, rows, count=True):
         """Stops rows (queued or running); count: a client's cancellation (not a stop string)."""
-        self._commands.put(("cancel", (rows, count)))
+        self._put(("cancel", (rows, count)))
 
-    def call(self, fn):
-        """Runs fn() on the engine thread between steps (the model is the engine's: scoring for logprobs);
-        returns an asyncio future of its result (or its exception). Called on the loop."""
+    def score(self, sequences, spans, top_n):
+        """scorer.score(sequences, spans, top_n) on the engine thread (every TP rank); an asyncio future of its
+        result (or exception). Called on the loop."""
         future = self._loop.create_future()
-        self._commands.put(("call", (fn, future)))
+        if not self._put(("score", ((sequences, spans, top_n), future))):
+            future.set_exception(RuntimeError("the engine thread has stopped"))
         return future
 
     def stop(self, timeout=10.0):
         if self._thread is not None:
-            self._commands.put(("stop", None))
+            self._put(("stop", None))
             self._thread.join(timeout)
+
+    # ---- the thread ----
 
     def _run(self):
         engine, active = self.engine, {}  # Row -> engine Request
         try:
+            if engine.device.type == "cuda":  # the current device is per thread; graphs and NCCL use it
+                import torch
+                torch.cuda.set_device(engine.device)
             while True:
-                block = not engine.has_work()
-                commands = [self._commands.get()] if block else []
+                idle = not engine.has_work()
+                commands = []
+                if idle:
+                    try:
+                        commands.append(self._commands.get(timeout=None if self.healthy else PROBE_INTERVAL))
+                    except queue.Empty:
+                        self._probe()
+                        continue
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
-                for kind, payload in commands:
-                    if kind == "stop":
-                        for request in active.values():
-                            engine.cancel(request)
-                        self._post([(row, [], "cancelled") for row in active])
-                        return
-                    if kind == "add":
-                        self._add(payload, active)
-                    elif kind == "call":
-                        self._call(*payload)
-                    else:
-                        rows, count = payload
-                        for row in rows:
-                            request = active.pop(row, None)
-                            if request is not None:
-                                engine.cancel(request)
-                                self.stats["cancelled"] += count
-                if engine.has_work():
-                    self._step(active)
+                if not self._round(commands, active):
+                    return
                 self.stats.update(running=len(engine.running), waiting=len(engine.waiting))
-        except Exception:  # a bug: fail what is in flight rather than leave its clients waiting
+        except Exception as err:  # a bug: fail what is in flight and queued rather than leave its clients waiting
             logger.exception("server: the engine thread failed; the server answers 503 from now on")
+            self.last_error = f"{type(err).__name__}: {err}"
             self._post([(row, [], "error") for row in active])
         finally:
-            self.alive = False
+            with self._lock:
+                self.alive = False
+            self._fail_queued()
+            if self.channel is not None and not self._desynced:
+                try:
+                    self.channel.close()
+                except Exception:  # noqa: BLE001  the other ranks are gone already
+                    logger.exception("server: could not tell the other tensor-parallel ranks to stop")
 
-    def _call(self, fn, future):
+    def _round(self, commands, active):
+        """Applies one round of commands and runs one engine step; False once told to stop."""
+        engine, plan, scores = self.engine, [], []
+        for kind, payload in commands:
+            if kind == "stop":
+                for request in active.values():
+                    engine.cancel(request)
+                self._post([(row, [], "cancelled") for row in active])
+                active.clear()
+                return False
+            if kind == "add":
+                added = self._add(payload, active)
+                if added:
+                    plan.append(("add", [(row.key, row.prompt_ids, row.params, row.seed) for row in added]))
+            elif kind == "score":
+                args, future = payload
+                scores.append((args, future))
+                plan.append(("score", args))
+            else:
+                rows, count = payload
+                keys = []
+                for row in rows:
+                    request = active.pop(row, None)
+                    if request is not None:
+                        engine.cancel(request)
+                        self.stats["cancelled"] += count
+                        keys.append(row.key)
+                if keys:
+                    plan.append(("cancel", keys))
+        num_steps, fault = None, False
+        if engine.has_work():
+            # a row that can be admitted now gets its first token at once (prefill only); otherwise run the batch
+            admit = bool(engine.waiting) and len(engine.running) < engine.max_batch
+            num_steps = 0 if admit else self.steps_per_sync
+            fault = self._fault_path is not None and os.path.exists(self._fault_path)
+            plan.append(("step", (num_steps, fault)))
+        if self.channel is not None and plan:
+            self.channel.send(plan)
+        for args, future in scores:
+            self._score(args, future)
+        if num_steps is not None:
+            self._step(active, num_steps, fault)
+        return True
+
+    def _add(self, rows, active):
+        added = []
+        for row in rows:
+            try:
+                active[row] = self.engine.add_request(row.prompt_ids, row.params, row.seed, request_id=row)
+                added.append(row)
+            except ValueError as err:  # checked on the loop already; an engine limit the checks missed
+                logger.error("server: request refused by the engine: %s", err)
+                self._post([(row, [], "error")])
+        return added
+
+    def _score(self, args, future):
         try:
-            result, error = fn(), None
+            result, error = self.scorer.score(*args), None
         except Exception as err:  # noqa: BLE001  handed to the request that asked, not the engine thread
             logger.exception("server: a scoring call failed")
             result, error = None, err
@@ -118,41 +253,89 @@ class EngineWorker:
         except RuntimeError:  # the loop has closed
             pass
 
-    def _add(self, rows, active):
-        for row in rows:
-            try:
-                active[row] = self.engine.add_request(row.prompt_ids, row.params, row.seed, request_id=row)
-            except ValueError as err:  # checked on the loop already; an engine limit the checks missed
-                logger.error("server: request refused by the engine: %s", err)
-                self._post([(row, [], "error")])
-
-    def _step(self, active):
+    def _step(self, active, num_steps, fault):
         engine = self.engine
-        # a row that can be admitted now gets its first token at once (prefill only); otherwise run the batch
-        admit = bool(engine.waiting) and len(engine.running) < engine.max_batch
         batch = min(engine.max_batch, len(engine.running) + len(engine.waiting))  # rows this step runs
         try:
-            engine.step(0 if admit else self.steps_per_sync)
-        except Exception:  # a failed step (out of memory, ...) fails its rows, not the server
-            logger.exception("server: the engine step failed; failing %d rows", len(active))
+            run_step(engine, num_steps, fault)
+        except Exception as err:  # a failed step (out of memory, a device fault) fails its rows and the queue
+            logger.exception("server: the engine step failed; failing %d rows and those queued", len(active))
             self.stats["errors"] += 1
+            self.healthy = False
+            self.last_error = f"{type(err).__name__}: {err}"
             for request in active.values():
                 engine.cancel(request)
-            self._post([(row, [], "error") for row in active])
+            failed = list(active)
             active.clear()
+            failed += self._drain_adds()
+            self._post([(row, [], "error") for row in failed])
+            if self.channel is not None and not isinstance(err, InjectedFault):
+                # the other ranks may have run (or be stuck in) this step: they are out of step for good
+                self._desynced = True
+                raise RuntimeError("a tensor-parallel engine step failed; the ranks are out of step: restart the "
+                                   "server") from err
             return
+        self.healthy = True
         self.stats["steps"] += 1
         self.stats["peak_running"] = max(self.stats["peak_running"], batch)
         updates = []
         for row, request in list(active.items()):
+            count = len(request.output)
+            new = request.output[row.published:count] if count > row.published else []
+            row.published = count
             if request.finished:
                 del active[row]
                 self.stats["finished"] += 1
-                updates.append((row, request.output, request.finish_reason))
-            elif len(request.output) > row.published:
-                row.published = len(request.output)
-                updates.append((row, request.output, None))
+                updates.append((row, new, request.finish_reason))
+            elif new:
+                updates.append((row, new, None))
         self._post(updates)
+
+    def _drain_adds(self):
+        """The rows of every queued "add" (other commands stay queued, in order)."""
+        rows, keep = [], []
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                rows += payload
+            else:
+                keep.append((kind, payload))
+        for command in keep:
+            self._commands.put(command)
+        return rows
+
+    def _fail_queued(self):
+        """After the thread has ended: answer every queued row and scoring call (nothing is queued after this)."""
+        rows = []
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                rows += payload
+            elif kind == "score":
+                try:
+                    self._loop.call_soon_threadsafe(_resolve, payload[1], None,
+                                                    RuntimeError("the engine thread has stopped"))
+                except RuntimeError:
+                    pass
+        self._post([(row, [], "error") for row in rows])
+
+    def _probe(self):
+        """While unhealthy and idle: healthy again once the device answers (and the test fault is gone)."""
+        try:
+            if self._fault_path is not None and os.path.exists(self._fault_path):
+                raise InjectedFault(f"injected engine fault ({FAULT_HOOK})")
+            probe_device(self.engine.device)
+        except Exception as err:  # noqa: BLE001  still unhealthy; /health says why
+            self.last_error = f"{type(err).__name__}: {err}"
+            return
+        logger.info("server: the engine answers again; healthy")
+        self.healthy = True
 
     def _post(self, updates):
         if updates:
@@ -160,6 +343,65 @@ class EngineWorker:
                 self._loop.call_soon_threadsafe(_deliver, updates)
             except RuntimeError:  # the loop has closed: nobody is waiting for these rows
                 pass
+
+
+def run_step(engine, num_steps, fault=False):
+    """One engine step, or the injected test fault (the same on every TP rank: the plan carries it)."""
+    if fault:
+        raise InjectedFault(f"injected engine fault ({FAULT_HOOK})")
+    return engine.step(num_steps)
+
+
+def probe_device(device):
+    """Raises if the device no longer runs work (a CUDA fault is sticky: every later call raises)."""
+    import torch
+    if device.type == "cuda":
+        x = torch.ones(8, device=device)
+        torch.cuda.synchronize(device)
+        if float(x.sum()) != 8.0:
+            raise RuntimeError("the device computed a wrong sum")
+
+
+def follow(engine, scorer, channel):
+    """The engine loop of a TP rank other than 0: applies rank 0's plans until it says stop (returns 0). The
+    injected test fault fails every request, as on rank 0; any other failed step raises (the ranks are out of
+    step: torchrun then stops them all)."""
+    requests = {}  # row key -> engine Request
+    while True:
+        plan = channel.receive()
+        for kind, payload in plan:
+            if kind == "stop":
+                for request in requests.values():
+                    engine.cancel(request)
+                return 0
+            if kind == "add":
+                for key, prompt_ids, params, seed in payload:
+                    try:
+                        requests[key] = engine.add_request(prompt_ids, params, seed, request_id=key)
+                    except ValueError:  # rank 0 refused it too
+                        pass
+            elif kind == "cancel":
+                for key in payload:
+                    request = requests.pop(key, None)
+                    if request is not None:
+                        engine.cancel(request)
+            elif kind == "score":
+                try:
+                    scorer.score(*payload)
+                except Exception:  # noqa: BLE001  rank 0 answers the client
+                    logger.exception("server: a scoring call failed on this rank")
+            else:
+                num_steps, fault = payload
+                try:
+                    for request in run_step(engine, num_steps, fault):
+                        requests.pop(request.request_id, None)
+                except Exception:  # rank 0 fails the rows; do the same here
+                    if not fault:  # this rank alone: out of step with the others for good (torchrun stops them)
+                        raise
+                    logger.warning("server: injected engine fault (%s); failing every request", FAULT_HOOK)
+                    for request in requests.values():
+                        engine.cancel(request)
+                    requests.clear()
 
 
 def _resolve(future, result, error):
@@ -172,8 +414,8 @@ def _resolve(future, result, error):
 
 
 def _deliver(updates):
-    for row, output, reason in updates:
-        row.job.on_update(row, output, reason)
+    for row, new_ids, reason in updates:
+        row.job.on_update(row, new_ids, reason)
 
 
 # ---- one HTTP request's rows -------------------------------------------------------------------------------------
@@ -199,18 +441,20 @@ class Job:
             self.unread -= 1
         return row, delta, reason
 
-    def on_update(self, row, output, reason):
-        """On the loop: the row's ids so far (reason: None while it runs, else the engine's finish reason)."""
+    def on_update(self, row, new_ids, reason):
+        """On the loop: the row's ids since its last update (reason: None while it runs, else the engine's finish
+        reason)."""
         if row.finished:
             return
-        row.output = output
+        row.output.extend(new_ids)
         if reason in ("error", "cancelled"):
             row.finish_reason = reason
             self.events.put_nowait((row, "", reason))
             return
-        delta = row.text.update(output, final=reason is not None)
+        delta = row.text.update(new_ids, final=reason is not None)
         if row.text.stopped:
-            self.worker.cancel([row], count=False)
+            if reason is None:
+                self.worker.cancel([row], count=False)
             reason = "stop"
         row.finish_reason = reason
         if delta or reason is not None:

@@ -1,14 +1,17 @@
 """tools/run_text_generation_server.py end to end on a tiny trained checkpoint, through the real openai client, curl
 and Megatron's PUT /api: greedy completions equal tools/generate_text.py token for token, streams concatenate to
 the completion, concurrent requests equal their solo answers, bad input gets its status and harms nothing, a
-disconnected stream is cancelled, SIGTERM finishes what is in flight and exits 0.
+disconnected stream is cancelled, SIGTERM finishes what is in flight and exits 0, an injected engine fault answers
+every request with 500 and /health 503 until the engine works again, stop_token and n > 1 seeds; the same server
+under torchrun at TP 2 (gloo) answers exactly as the one-process server, streaming too.
 
 The checkpoint is trained once per module (20 iterations); one server serves the module, a second one is stopped by
-SIGTERM. Every request goes to 127.0.0.1 and is bounded in count and time.
+SIGTERM, a third runs at TP 2. Every request goes to 127.0.0.1 and is bounded in count and time.
 """
 import functools
 import http.client
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -41,15 +44,20 @@ def checkpoint(sample_data, tmp_path_factory):
 class Server:
     """The server in a subprocess on a free port of 127.0.0.1; stop() kills it if it is still running."""
 
-    def __init__(self, checkpoint, log_path, *extra):
+    def __init__(self, checkpoint, log_path, *extra, nproc=1, fault_file=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [PYTHON, str(ROOT / "tools" / "run_text_generation_server.py"), "--load", str(checkpoint),
+        launcher = [PYTHON] if nproc == 1 else [os.path.join(os.path.dirname(PYTHON), "torchrun"), "--nproc_per_node",
+                                                str(nproc), "--master_port", str(free_port())]
+        cmd = launcher + [str(ROOT / "tools" / "run_text_generation_server.py"), "--load", str(checkpoint),
                "--port", str(self.port), "--api-key", KEY, "--max-batch-size", "4", "--max-seq-len", str(CONTEXT),
                "--max-new-tokens-limit", str(LIMIT), "--max-body-bytes", "65536", "--steps-per-sync", "4",
                "--log-level", "warning", *extra]
         self.log = open(log_path, "w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.fault_file = fault_file
+        extra_env = {"MEGATRON_TEST_ENGINE_FAULT": str(fault_file)} if fault_file else None
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(extra_env), stdout=self.log, stderr=subprocess.STDOUT,
+                                     text=True)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -66,20 +74,34 @@ class Server:
         with urllib.request.urlopen(self.url + "/health", timeout=10) as response:
             return json.loads(response.read())
 
+    def health_status(self):
+        try:
+            return self.health()["status"], 200
+        except urllib.error.HTTPError as err:
+            return json.loads(err.read())["status"], err.code
+
     def output(self):
         self.log.seek(0)
         return self.log.read()[-6000:]
 
     def stop(self):
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+            if len(self.proc.args) > 1 and self.proc.args[1] == "--nproc_per_node":  # torchrun: its workers too
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
         self.log.close()
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    srv = Server(checkpoint, tmp_path_factory.mktemp("server_log") / "server.log")
+    folder = tmp_path_factory.mktemp("server_log")
+    srv = Server(checkpoint, folder / "server.log", fault_file=folder / "fault")
     yield srv
     srv.stop()
 
@@ -332,3 +354,105 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoint, client, tmp
             srv.health()
     finally:
         srv.stop()
+
+
+# ---- failures, stop_token, seeds, tensor parallelism -------------------------------------------------------------
+
+def wait_for_status(server, status, seconds=30):
+    deadline = time.monotonic() + seconds
+    while server.health_status()[0] != status:
+        assert time.monotonic() < deadline, server.health_status()
+        time.sleep(0.05)
+
+
+def check_engine_fault(server, client, reference, concurrent=6):
+    """With the fault file present every request (running or queued) gets 500, a stream an error event, /health
+    503; without it the server recovers and answers as before."""
+    before = server.health()
+    server.fault_file.touch()
+    try:
+        prompts = [dict(prompt=PROMPTS[i % 2] + " and" * i, max_tokens=30, temperature=0) for i in range(concurrent)]
+
+        def ask(job):
+            code, answer = raw(server, "POST", "/v1/completions", job)
+            return code, answer["error"]["type"]
+
+        with ThreadPoolExecutor(concurrent) as pool:  # more than the 4 slots: some wait in the engine's queue
+            assert list(pool.map(ask, prompts)) == [(500, "server_error")] * concurrent
+        status, code = server.health_status()
+        assert (status, code) == ("unhealthy", 503)
+        with pytest.raises(openai.APIError) as info:
+            streamed(client, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert "the engine failed" in str(info.value)
+    finally:
+        server.fault_file.unlink()
+    wait_for_status(server, "ok")  # the idle engine thread probes the device
+    health = server.health()
+    assert health["errors"] > before["errors"] and health["pending"] == 0 and health["running"] == 0
+    assert greedy(client, PROMPTS[0], 12).choices[0].text == reference[PROMPTS[0]][1]
+
+
+def test_an_engine_fault_answers_every_request_with_500_until_it_recovers(server, client, reference):
+    check_engine_fault(server, client, reference)
+
+
+def test_stop_token_ends_the_generation_after_it(server):
+    body = {"prompts": [PROMPTS[1]], "tokens_to_generate": 24, "temperature": 0.9, "random_seed": 3}
+    code, full = raw(server, "PUT", "/api", body)
+    assert code == 200
+    prompt_len = len(client_tokens(PROMPTS[1]))
+    generated = full["segments"][0][prompt_len:]
+    assert len(generated) == 24
+    k, stop_id = next((k, ids[0]) for k, (seg, ids) in enumerate((g, client_tokens(g)) for g in generated)
+                      if k >= 2 and seg.isascii() and len(ids) == 1 and seg not in generated[:k])
+    code, answer = raw(server, "PUT", "/api", {**body, "stop_token": stop_id})
+    assert code == 200
+    assert answer["text"] == [PROMPTS[1] + "".join(generated[:k + 1])]
+    assert answer["segments"] == [full["segments"][0][:prompt_len + k + 1]]
+
+
+def test_each_choice_of_n_has_its_own_reproducible_seed(client):
+    from megatron.inference.api import row_seed
+
+    def texts(seed, n):
+        response = client.completions.create(model="ckpt", prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
+                                             seed=seed, n=n)
+        return [c.text for c in response.choices]
+
+    three = texts(5, 3)
+    assert texts(5, 3) == three and len(set(three)) == 3
+    assert [texts(row_seed(5, k), 1)[0] for k in range(3)] == three  # choice k samples with row_seed(5, k)
+    assert texts(6, 1)[0] != three[1]  # seed + k gave choice 1 of seed 5 the sample of seed 6
+
+
+@pytest.fixture(scope="module")
+def tp2_server(checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp2_server_log")
+    srv = Server(checkpoint, folder / "server.log", "--tensor-model-parallel-size", "2", nproc=2,
+                 fault_file=folder / "fault")
+    yield srv
+    srv.stop()
+
+
+def test_a_tensor_parallel_server_answers_as_the_one_process_server(server, client, tp2_server, reference):
+    tp2 = openai.OpenAI(base_url=tp2_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert tp2_server.health()["status"] == "ok"
+    sampled = dict(prompt=PROMPTS, max_tokens=24, temperature=0.9, top_p=0.95, seed=11, n=2,
+                   extra_body={"top_k": 50})
+    for make in (client, tp2):
+        assert [c.text for c in greedy(make, PROMPTS, 12).choices] == [reference[p][1] for p in PROMPTS]
+    one = client.completions.create(model="ckpt", **sampled)
+    two = tp2.completions.create(model="ckpt", **sampled)
+    assert [c.text for c in two.choices] == [c.text for c in one.choices] and len({c.text for c in one.choices}) == 4
+    assert streamed(tp2, **sampled)[0] == {c.index: c.text for c in one.choices}
+    with ThreadPoolExecutor(6) as pool:  # concurrent requests: rank 0's plans keep the ranks in step
+        jobs = [dict(prompt=PROMPTS[i % 2], max_tokens=10 + i, temperature=0.8, seed=i) for i in range(6)]
+        together = list(pool.map(lambda job: tp2.completions.create(model="ckpt", **job).choices[0].text, jobs))
+    assert together == [client.completions.create(model="ckpt", **job).choices[0].text for job in jobs]
+    scored = [make.completions.create(model="ckpt", prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                      logprobs=2).choices[0].logprobs for make in (client, tp2)]
+    assert scored[0].tokens == scored[1].tokens
+    assert scored[1].token_logprobs == pytest.approx(scored[0].token_logprobs, abs=1e-4)
+    body = {"prompts": PROMPTS, "tokens_to_generate": 12, "temperature": 0.9, "random_seed": 3, "stop_token": 13}
+    assert raw(tp2_server, "PUT", "/api", body) == raw(server, "PUT", "/api", body)
+    check_engine_fault(tp2_server, tp2, reference, concurrent=5)

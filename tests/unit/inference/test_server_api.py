@@ -110,12 +110,16 @@ def test_prompts_are_tokenized_and_checked_against_the_context(tokenizer):
     assert api.tokenize_prompts(["x"], tokenizer, LIMITS, 4, prefix_ids=[2]) == [[2] + tokenizer.tokenize("x")]
 
 
-def test_row_seeds_wrap_like_int64():
-    assert api.row_seed(7, 2) == 9
-    assert api.row_seed(api.INT64_MAX, 1) == api.INT64_MIN
+def test_row_seeds_are_distinct_and_reproducible():
+    assert api._mix64(api._GOLDEN) == 0xE220A8397B1DCDAF  # splitmix64's first output from state 0 (published)
+    assert api.row_seed(7, 0) == 7 and api.row_seed(api.INT64_MIN, 0) == api.INT64_MIN  # n 1: the request's seed
+    seeds = [api.row_seed(s, k) for s in range(-50, 50) for k in range(8)]
+    assert len(set(seeds)) == len(seeds)  # seed + k made choice 1 of seed 5 choice 0 of seed 6
+    assert all(api.INT64_MIN <= x <= api.INT64_MAX for x in seeds)
+    mixed = api._mix64((api._mix64(5) + 3 * api._GOLDEN) % 2 ** 64)
+    assert api.row_seed(5, 3) == (mixed if mixed < 2 ** 63 else mixed - 2 ** 64)
+    assert api.row_seed(api.INT64_MAX, 1) == api.row_seed(api.INT64_MAX, 1)
 
-
-# ---- PUT /api ----------------------------------------------------------------------------------------------------
 
 def test_megatron_request():
     req = api.parse_megatron_request({"prompts": ["a", "b"], "tokens_to_generate": 8, "top_k": 1}, LIMITS)
@@ -124,6 +128,8 @@ def test_megatron_request():
                                       "stop_on_eol": True, "add_BOS": True}, LIMITS)
     assert (req.params.greedy, req.params.temperature, req.params.top_p, req.params.top_k) == (False, 0.5, 0.9, 0)
     assert (req.seed, req.stop, req.add_bos, req.tokens_to_generate) == (3, ("\n",), True, 24)  # 64, capped
+    assert req.stop_ids == () and api.parse_megatron_request({"prompts": ["a"], "stop_token": 7}, LIMITS).stop_ids \
+        == (7,)
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -144,6 +150,8 @@ def test_megatron_request():
     ({"prompts": ["a"], "beam_width": 2}, "beam_width", "beam search is not supported by this server; leave "
                                                        "beam_width out"),
     ({"prompts": [""]}, "prompts", "Empty prompts require add_BOS=true"),
+    ({"prompts": ["a"], "stop_token": 8000}, "stop_token", "stop_token must be a token id in [0, 8000) (got 8000)"),
+    ({"prompts": ["a"], "stop_token": "7"}, "stop_token", "stop_token must be a token id in [0, 8000) (got '7')"),
     ({"prompts": ["a"], "random_seed": -1}, "random_seed", "random_seed must be at least 0 (got -1)"),
 ])
 def test_bad_megatron_requests(body, param, message):
@@ -153,11 +161,11 @@ def test_bad_megatron_requests(body, param, message):
 # ---- streamed text -----------------------------------------------------------------------------------------------
 
 def feed(text_state, ids, step=1, eod_at_end=False):
-    """Feeds ids in steps (the last update final) and returns the deltas."""
+    """Feeds ids in chunks of step new ids (the last update final) and returns the deltas."""
     deltas = []
-    for end in range(step, len(ids) + step, step):
-        final = end >= len(ids)
-        deltas.append(text_state.update(ids[:end] + ([2] if final and eod_at_end else []), final=final))
+    for start in range(0, len(ids), step):
+        final = start + step >= len(ids)
+        deltas.append(text_state.update(ids[start:start + step] + ([2] if final and eod_at_end else []), final=final))
         if text_state.text is not None:
             break
     return deltas
@@ -176,6 +184,43 @@ def test_deltas_of_multibyte_text_concatenate_exactly(tokenizer):
         assert state.tokens == len(ids) + 1 and not state.stopped  # the eod counts
 
 
+def test_incremental_text_equals_a_full_decode_of_any_ids(tokenizer):
+    """Random ids (byte pieces that break UTF-8 characters, invalid sequences, special tokens) and text in many
+    scripts: the deltas join to the decode of all ids, a prefix of it after every update."""
+    rng = torch.Generator().manual_seed(0)
+    texts = ["Ünïcödé ½ — “quotes” 🙂 emoji 👩‍👩‍👧 and ﬁ ligatures", "Привет, мир! 你好，世界。 مرحبا"]
+    cases = [tokenizer.tokenize(t) for t in texts]
+    cases += [torch.randint(0, tokenizer.vocab_size, (n,), generator=rng).tolist() for n in (50, 200, 200)]
+    for ids in cases:
+        full = tokenizer.detokenize(ids)
+        for step in (1, 3, 7):
+            state = IncrementalText(tokenizer.detokenize)
+            out = ""
+            for start in range(0, len(ids), step):
+                out += state.update(ids[start:start + step], final=start + step >= len(ids))
+                assert full.startswith(out)
+            assert out == state.text == full
+
+
+def test_prefix_lengths_equal_full_decodes(tokenizer):
+    rng = torch.Generator().manual_seed(1)
+    for ids in (tokenizer.tokenize("naïve café — 日本語 ✓ ok 🙂"), torch.randint(0, tokenizer.vocab_size, (300,),
+                                                                               generator=rng).tolist()):
+        assert api.prefix_lengths(ids, tokenizer.detokenize) == [len(tokenizer.detokenize(ids[:k]))
+                                                                 for k in range(len(ids))]
+
+
+def test_host_work_per_id_does_not_grow_with_the_length(tokenizer):
+    words = tokenizer.tokenize(" the quick brown fox jumps over a lazy dog, naïve café" * 60)
+    per_id = {}
+    for n in (64, 512):
+        state = IncrementalText(tokenizer.detokenize, eod_id=2, stop=["never there"])
+        assert "".join(feed(state, words[:n], 8)) == tokenizer.detokenize(words[:n])
+        per_id[n] = state.decoded / n
+    assert per_id[512] <= 4 and per_id[64] <= 4  # ids decoded per id: a window of a few ids, not the whole row
+    assert abs(per_id[512] - per_id[64]) < 0.25
+
+
 def test_stop_strings_cut_the_text_and_never_leak(tokenizer):
     text = "Hello world, hello there, hello again"
     ids = tokenizer.tokenize(text)
@@ -192,11 +237,20 @@ def test_stop_strings_cut_the_text_and_never_leak(tokenizer):
     assert "".join(feed(state, ids, 3)) == text and not state.stopped and state.tokens == len(ids)
 
 
+def test_a_stop_token_ends_the_text_after_its_own(tokenizer):
+    ids = tokenizer.tokenize("Hello world, hello there, hello again")
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # its first occurrence is at k
+    for step in (1, 4):
+        state = IncrementalText(tokenizer.detokenize, eod_id=2, stop_ids=(ids[k],))
+        assert "".join(feed(state, ids, step)) == state.text == tokenizer.detokenize(ids[:k + 1])
+        assert state.stopped and state.tokens == k + 1
+
+
 def test_a_tail_that_may_start_a_stop_string_is_held_back(tokenizer):
     ids = tokenizer.tokenize("Hello world")
     state = IncrementalText(tokenizer.detokenize, stop=["world!"])
     assert state.update(ids) == "Hello "  # "world" could be the start of "world!"
-    assert state.update(ids + tokenizer.tokenize(" again"), final=True) == "world again"
+    assert state.update(tokenizer.tokenize(" again"), final=True) == "world again"
 
 
 # ---- the engine thread -------------------------------------------------------------------------------------------
@@ -229,11 +283,97 @@ def test_worker_admits_a_row_into_the_running_batch_with_its_solo_output():
         running_meanwhile = not first.rows[0].finished
         await first.wait()
         worker.stop()
-        return [first.rows[0].output] + [r.output for r in second.rows], running_meanwhile, worker.stats
+        rows = first.rows + second.rows
+        return [r.output for r in rows], running_meanwhile, worker.stats, [r.text.decoded for r in rows]
 
-    outputs, running_meanwhile, stats = asyncio.run(scenario())
+    outputs, running_meanwhile, stats, decoded = asyncio.run(scenario())
     assert outputs == [s[0] for s in solo]
+    # each update carries only the new ids, each decoded in a short window (a whole-row decode per update of the
+    # 40-token row would be ~20 updates x ~20 ids)
+    assert all(d <= 3 * len(o) for d, o in zip(decoded, outputs))
     assert running_meanwhile and stats["peak_running"] == 3 and stats["finished"] == 3 and not stats["cancelled"]
+
+
+def tiny_engine(max_batch_size=4, seq_length=64):
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=seq_length,
+                         attention_impl="torch", init_method_std=1.0)
+    model = BloomModel(config, parallel_output=False).eval()
+    return InferenceEngine(model, max_batch_size=max_batch_size, max_seq_len=seq_length, kv_bucket=16)
+
+
+def test_a_sync_copies_only_the_new_tokens():
+    engine = tiny_engine(seq_length=600)
+    params = {n: SamplingParams(temperature=0.9, max_new_tokens=n) for n in (64, 512)}
+    for n in (64, 512):
+        before = engine.copied_tokens
+        requests = [engine.add_request([5, 9, 3], params[n], seed=s) for s in (1, 2)]
+        while engine.has_work():
+            engine.step(8)
+        assert [len(r.output) for r in requests] == [n, n]
+        assert engine.copied_tokens - before == 2 * n  # each id once (the whole rows at each sync: ~n * n / 8)
+        assert [r.output for r in requests] == engine.generate([[5, 9, 3]] * 2, params[n], seed=1)
+
+
+def rows_of(job, worker, prompts, params, seeds=None):
+    for i, p in enumerate(prompts):
+        job.add(Row(job, i, p, params, 0 if seeds is None else seeds[i],
+                    IncrementalText(lambda ids: " ".join(map(str, ids)))))
+    worker.submit(job.rows)
+    return job
+
+
+def test_a_failed_step_fails_every_row_and_the_worker_recovers(tmp_path, monkeypatch):
+    from megatron.inference import worker as worker_module
+
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(worker_module.FAULT_HOOK, str(fault))
+    monkeypatch.setattr(worker_module, "PROBE_INTERVAL", 0.05)
+    engine = tiny_engine()
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+    prompts = [[5, 9, 3 + i] for i in range(6)]
+    solo = engine.generate(prompts[:1], params)[0]
+
+    async def scenario():
+        worker = EngineWorker(engine, steps_per_sync=2)
+        worker.start(asyncio.get_running_loop())
+        fault.touch()
+        job = rows_of(Job(worker, lambda job: None), worker, prompts, params)  # 6 rows, 4 slots: 2 queued
+        reasons = [(await job.next())[2] for _ in prompts]
+        unhealthy = (worker.healthy, worker.stats["errors"], engine.has_work())
+        fault.unlink()
+        for _ in range(100):  # the idle worker probes the device
+            if worker.healthy:
+                break
+            await asyncio.sleep(0.05)
+        again = rows_of(Job(worker, lambda job: None), worker, prompts[:1], params)
+        await again.wait()
+        worker.stop()
+        return reasons, unhealthy, worker.healthy, again.rows[0].output
+
+    reasons, unhealthy, healthy, output = asyncio.run(scenario())
+    assert reasons == ["error"] * 6 and unhealthy == (False, 1, False)
+    assert healthy and output == solo
+
+
+def test_a_dead_engine_thread_answers_what_is_queued_and_what_comes_later():
+    engine = tiny_engine()
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+
+    async def scenario():
+        worker = EngineWorker(engine, steps_per_sync=2)
+        worker.start(asyncio.get_running_loop())
+        job = rows_of(Job(worker, lambda job: None), worker, [[5, 9, 3]], params)
+        await job.wait()
+        engine.has_work = lambda: (_ for _ in ()).throw(RuntimeError("a bug"))  # the next round dies
+        queued = rows_of(Job(worker, lambda job: None), worker, [[5, 9, 4], [5, 9, 5]], params)
+        first = [(await queued.next())[2] for _ in range(2)]
+        late = rows_of(Job(worker, lambda job: None), worker, [[5, 9, 6]], params)
+        second = (await late.next())[2]
+        return first, second, worker.alive
+
+    first, second, alive = asyncio.run(scenario())
+    assert first == ["error", "error"] and second == "error" and not alive
 
 
 def test_logprobs_body_is_openais_legacy_format(tokenizer):
