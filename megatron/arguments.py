@@ -52,6 +52,11 @@ def _model_flags(parser):
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS)
     g.add_argument("--fused-layernorm", action="store_true", help="csrc mixed-precision LayerNorm (CUDA)")
+    g.add_argument("--fused-elementwise", dest="fused_elementwise", action="store_true", default=True,
+                   help="training on CUDA: the block's bias + GeLU and bias + dropout + residual (+ LayerNorm) as "
+                        "torch.compile'd fused regions (on by default)")
+    g.add_argument("--no-fused-elementwise", dest="fused_elementwise", action="store_false",
+                   help="the unfused elementwise ops (A/B comparisons, debugging)")
     g.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true")
     g.add_argument("--loss-chunk-size", type=int, default=0,
                    help="tokens per chunk of the LM head + loss (0: whole micro batch at once)")

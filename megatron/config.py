@@ -64,6 +64,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     checkpoint_activations: bool = False
     fused_layernorm: bool = False
+    fused_elementwise: bool = True  # torch.compile'd bias/GeLU/dropout/residual/LayerNorm regions (CUDA training)
     abort_on_unmet_fused_kernel_constraints: bool = False
     loss_chunk_size: int = 0
     tensor_model_parallel_size: int = 1
