@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke test)")
     p.add_argument("--only", choices=["ours", "hf"], default=None, help=argparse.SUPPRESS)
-    p.add_argument("--skip-hf", action="store_true", help="no HF side (eager or compiled)")
+    p.add_argument("--skip-hf", action="store_true", help="no HF eager side")
     p.add_argument("--hf-compile", action="store_true",
                    help="also run HF BloomForCausalLM wrapped in torch.compile (same shapes, bf16 autocast, fused AdamW)")
     p.add_argument("--ab", action="store_true",
@@ -253,8 +253,8 @@ def plan_sides(args):
         sides.append((f"ours[{name}]", ["--attention-variant", name]))
     if not args.skip_hf:
         sides.append(("hf", []))
-        if args.hf_compile:
-            sides.append(("hf-compile", ["--compile"]))
+    if args.hf_compile:
+        sides.append(("hf-compile", ["--compile"]))
     return sides
 
 
