@@ -137,13 +137,13 @@ class ParallelMLP(nn.Module):
             config.ffn_dim, config.hidden_size, input_is_parallel=True,
             init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
 
-    def forward(self, x):
+    def forward(self, x, fused=False):
+        """fused: the output without its bias (self.dense_4h_to_h.bias, for the block's fused region), h -> 4h's
+        bias added inside the fused bias + GeLU."""
+        if fused:
+            h = self.dense_h_to_4h(x, add_bias=False)  # (B, S, F/p)
+            return self.dense_4h_to_h(elementwise.bias_gelu(h, self.dense_h_to_4h.bias), add_bias=False)
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
-
-    def forward_fused(self, x):
-        """The output without its bias (self.dense_4h_to_h.bias); h -> 4h's bias is added inside fused GeLU."""
-        h = self.dense_h_to_4h(x, add_bias=False)  # (B, S, F/p)
-        return self.dense_4h_to_h(elementwise.bias_gelu(h, self.dense_h_to_4h.bias), add_bias=False)
 
 
 class BloomBlock(nn.Module):
@@ -152,7 +152,8 @@ class BloomBlock(nn.Module):
     With config.fused_elementwise, training on CUDA (no KV cache), the elementwise work between the GEMMs runs in
     three fused regions (megatron.fused_kernels.elementwise) with the dense layers' biases folded in: dense bias +
     dropout + residual + post-attention LayerNorm, h -> 4h bias + GeLU, and 4h -> h bias + dropout + residual.
-    Elsewhere (CPU, evaluation, generation) the unfused ops below run.
+    Elsewhere (CPU, evaluation, generation, ZeRO-3's partitioned parameters, which are gathered only inside
+    their own module's forward) the unfused ops below run.
     """
 
     def __init__(self, config, layer_number, tp_group=None):
@@ -168,7 +169,8 @@ class BloomBlock(nn.Module):
         self.fused_elementwise = config.fused_elementwise
 
     def forward(self, x, key_padding_mask=None, layer_cache=None):
-        if self.fused_elementwise and self.training and x.is_cuda and layer_cache is None:
+        if (self.fused_elementwise and self.training and x.is_cuda and layer_cache is None
+                and not hasattr(self.post_attention_layernorm.weight, "ds_id")):
             return self.forward_fused(x, key_padding_mask)
         ln = self.input_layernorm(x)
         residual = ln if self.post_ln_residual else x
@@ -187,7 +189,7 @@ class BloomBlock(nn.Module):
         x, ln = elementwise.bias_dropout_add_layer_norm(attn, self.self_attention.dense.bias, residual, norm.weight,
                                                         norm.bias, norm.eps, p, training)
         residual = ln if self.post_ln_residual else x
-        return elementwise.bias_dropout_add(self.mlp.forward_fused(ln), self.mlp.dense_4h_to_h.bias, residual, p,
+        return elementwise.bias_dropout_add(self.mlp(ln, fused=True), self.mlp.dense_4h_to_h.bias, residual, p,
                                             training)
 
 
