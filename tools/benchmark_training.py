@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 DOC_MODEL = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=250880)
 SMALL_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1024)
 
-# --attention-variants: name -> (--attention-impl, FlexAttention kernel_options, SDPA backends); all exact ALiBi.
+# --attention-variants: name -> (--attention-impl, FlexAttention kernel_options, SDPA backends[, FlexAttention's
+# torch.compile mode]); all exact ALiBi.
 # "safe": every causal row keeps its diagonal key and the causal blocks are contiguous (both true for this mask).
 _SAFE = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
 ATTENTION_VARIANTS = {
@@ -36,6 +37,7 @@ ATTENTION_VARIANTS = {
     "flex-128x64": ("flex", {**_SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8,
                              "fwd_num_stages": 3}, None),
     "flex-flash": ("flex", {"BACKEND": "FLASH"}, None),  # needs flash-attn's CuTe DSL package
+    "flex-autotune": ("flex", _SAFE, None, "max-autotune-no-cudagraphs"),  # block sizes tuned at compile time
     "sdpa": ("sdpa", None, None),
     "sdpa-cudnn": ("sdpa", None, ["CUDNN_ATTENTION"]),
     "sdpa-efficient": ("sdpa", None, ["EFFICIENT_ATTENTION"]),
@@ -58,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--only", choices=["ours", "hf"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--skip-hf", action="store_true", help="no HF eager side")
     p.add_argument("--hf-compile", action="store_true",
-                   help="also run HF BloomForCausalLM wrapped in torch.compile (same shapes, bf16 autocast, fused AdamW)")
+                   help="also run HF BloomForCausalLM wrapped in torch.compile (same shapes, bf16 autocast, "
+                        "fused AdamW)")
     p.add_argument("--ab", action="store_true",
                    help="also run ours with --no-fused-elementwise (the unfused elementwise ops)")
     p.add_argument("--no-fused-elementwise", action="store_true", help="ours: the unfused elementwise ops")
@@ -166,7 +169,9 @@ def run_ours(args, shape):
         argv.append("--no-fused-elementwise")
     if args.attention_variant:
         from megatron.model import attention
-        impl, attention.FLEX_KERNEL_OPTIONS, attention.SDPA_BACKENDS = ATTENTION_VARIANTS[args.attention_variant]
+        variant = ATTENTION_VARIANTS[args.attention_variant]
+        impl, attention.FLEX_KERNEL_OPTIONS, attention.SDPA_BACKENDS, *mode = variant
+        attention.FLEX_COMPILE_MODE = mode[0] if mode else None
         argv[argv.index("--attention-impl") + 1] = impl
     config, ds_config, _ = load_and_resolve(argv)
     state = initialize_distributed(config.parallel)
@@ -235,7 +240,8 @@ def measure(args):
     gc.collect()
     gemm = measure_matmul_tflops(device)
     tflops = flops / seconds / 1e12
-    return {"side": args.only, "profile_wall_ms": PROFILE_WALL_MS[-1] if PROFILE_WALL_MS else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    return {"side": args.only, "profile_wall_ms": PROFILE_WALL_MS[-1] if PROFILE_WALL_MS else None,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "seconds_per_iteration": seconds, "tokens_per_second": tokens / seconds, "model_tflops": tflops,
             "gemm_tflops": gemm, "mfu": tflops / gemm, "peak_memory_gib": peak_mem, "losses": losses,
             "profile_ms": dict(PROFILE), "top_kernels": list(TOP_KERNELS)}

@@ -30,6 +30,7 @@ _LOGGED = set()
 # backend stays automatic, and these let one benchmark compare the exact ALiBi options on the device.
 FLEX_KERNEL_OPTIONS = None  # FlexAttention kernel_options, e.g. {"BLOCK_M": 128, "BLOCK_N": 64}
 SDPA_BACKENDS = None  # list of torch.nn.attention.SDPBackend names the sdpa backend may use, e.g. ["CUDNN_ATTENTION"]
+FLEX_COMPILE_MODE = None  # torch.compile mode of FlexAttention, e.g. "max-autotune-no-cudagraphs" (read at first use)
 
 
 def _log_once(message):
@@ -103,7 +104,7 @@ def sdpa_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, mode=FLEX_COMPILE_MODE)
 
 
 @functools.lru_cache(maxsize=16)

@@ -109,7 +109,7 @@ def test_benchmark_attention_variants_are_exact(monkeypatch, knob, value):
     try:
         out = BACKENDS[impl](q, k, v, slopes, scale, 0.0)
     except RuntimeError as err:  # this torch build has no such SDPA kernel for these inputs
-        if knob == "SDPA_BACKENDS" and "No available kernel" in str(err):
+        if knob == "SDPA_BACKENDS" and ("No available kernel" in str(err) or "No viable backend" in str(err)):
             pytest.skip(f"{value[0]} is not available here")
         raise
     grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
