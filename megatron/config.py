@@ -100,6 +100,9 @@ class ModelConfig:
                                choices=ATTENTION_IMPLS)
     checkpoint_activations: bool = flag(False, "recompute each layer's activations in the backward pass")
     fused_layernorm: bool = flag(False, "csrc mixed-precision LayerNorm (CUDA)")
+    fused_elementwise: bool = flag(True, "training on CUDA: the block's bias + GeLU and bias + dropout + residual "
+                                   "(+ LayerNorm) as torch.compile'd fused regions",
+                                   negation="--no-fused-elementwise")
     abort_on_unmet_fused_kernel_constraints: bool = flag(
         False, "stop instead of falling back when a fused kernel cannot serve this configuration")
     loss_chunk_size: int = flag(0, "tokens per chunk of the LM head + loss (0: whole micro batch at once; PP 1 "

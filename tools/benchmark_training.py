@@ -1,11 +1,16 @@
 """Training throughput of our BLOOM (the real pretrain path on DeepSpeed) against HF BloomForCausalLM.
 
     python tools/benchmark_training.py                       # the document's 1.72B model, micro 4, accumulation 8
+    python tools/benchmark_training.py --ab --hf-compile --profile
+                                  # ours with the fused elementwise regions off and on, HF eager, HF + torch.compile
+    python tools/benchmark_training.py --skip-hf --attention-variants flex,flex-safe,sdpa-cudnn
     python tools/benchmark_training.py --small --iters 2     # tiny model for a CPU smoke test
 
 Each side runs in its own subprocess (so memory is measured cleanly) with the same shapes, micro batch, gradient
-accumulation, bf16 and fused AdamW. Printed for both: tokens/s, model TFLOP/s (Megatron's formula), MFU against
-the GEMM rate measured on this device, peak memory, and our/HF ratios.
+accumulation, bf16 and fused AdamW. Printed for each: tokens/s, model TFLOP/s (Megatron's formula), MFU against
+the GEMM rate measured on this device, peak memory, and the ratios to HF eager and HF + torch.compile. With
+--profile, one more step is profiled per side: kernel time by category, the step's wall time and its idle share.
+A side that fails is reported and the others still run.
 """
 import argparse
 import gc
@@ -21,6 +26,24 @@ sys.path.insert(0, ROOT)
 DOC_MODEL = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=250880)
 SMALL_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1024)
 
+# --attention-variants: name -> (--attention-impl, FlexAttention kernel_options, SDPA backends[, FlexAttention's
+# torch.compile mode]); all exact ALiBi.
+# "safe": every causal row keeps its diagonal key and the causal blocks are contiguous (both true for this mask).
+_SAFE = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
+ATTENTION_VARIANTS = {
+    "flex": ("flex", None, None),
+    "flex-safe": ("flex", _SAFE, None),
+    "flex-tma": ("flex", {**_SAFE, "USE_TMA": True}, None),
+    "flex-128x64": ("flex", {**_SAFE, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8,
+                             "fwd_num_stages": 3}, None),
+    "flex-flash": ("flex", {"BACKEND": "FLASH"}, None),  # needs flash-attn's CuTe DSL package
+    "flex-autotune": ("flex", _SAFE, None, "max-autotune-no-cudagraphs"),  # block sizes tuned at compile time
+    "sdpa": ("sdpa", None, None),
+    "sdpa-cudnn": ("sdpa", None, ["CUDNN_ATTENTION"]),
+    "sdpa-efficient": ("sdpa", None, ["EFFICIENT_ATTENTION"]),
+    "fused": ("fused", None, None),
+}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,7 +58,17 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke test)")
     p.add_argument("--only", choices=["ours", "hf"], default=None, help=argparse.SUPPRESS)
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no HF eager side")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also run HF BloomForCausalLM wrapped in torch.compile (same shapes, bf16 autocast, "
+                        "fused AdamW)")
+    p.add_argument("--ab", action="store_true",
+                   help="also run ours with --no-fused-elementwise (the unfused elementwise ops)")
+    p.add_argument("--no-fused-elementwise", action="store_true", help="ours: the unfused elementwise ops")
+    p.add_argument("--attention-variants", default=None, metavar="A,B,...",
+                   help="also run ours once per attention variant: " + ", ".join(ATTENTION_VARIANTS))
+    p.add_argument("--attention-variant", choices=list(ATTENTION_VARIANTS), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # the HF side: torch.compile
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one more step and print GPU time by category")
     p.add_argument("--profile-top", type=int, default=15, metavar="N",
@@ -68,12 +101,15 @@ def categorize(name):
 
 
 def _profile(step, device, top):
-    """GPU (or CPU) self time of one step by category, in ms, and the `top` kernels [(ms, calls, name)]."""
+    """GPU (or CPU) self time of one step by category, in ms, the `top` kernels [(ms, calls, name)], and the
+    step's wall time in ms (its idle share is 1 - kernel time / wall time: one stream, kernels do not overlap)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         step()
         _sync(device)
+        PROFILE_WALL_MS.append(1000 * (time.perf_counter() - start))
     totals, kernels = {}, []
     for event in prof.key_averages():
         us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
@@ -85,6 +121,7 @@ def _profile(step, device, top):
 
 PROFILE = {}
 TOP_KERNELS = []
+PROFILE_WALL_MS = []
 
 
 def _timed(step, args, device):
@@ -128,6 +165,14 @@ def run_ours(args, shape):
         argv.append("--checkpoint-activations")
     if args.fused_layernorm:
         argv.append("--fused-layernorm")
+    if args.no_fused_elementwise:
+        argv.append("--no-fused-elementwise")
+    if args.attention_variant:
+        from megatron.model import attention
+        variant = ATTENTION_VARIANTS[args.attention_variant]
+        impl, attention.FLEX_KERNEL_OPTIONS, attention.SDPA_BACKENDS, *mode = variant
+        attention.FLEX_COMPILE_MODE = mode[0] if mode else None
+        argv[argv.index("--attention-impl") + 1] = impl
     config, ds_config, _ = load_and_resolve(argv)
     state = initialize_distributed(config.parallel)
     set_random_seeds(config.model.seed, state)
@@ -156,6 +201,7 @@ def run_hf(args, shape):
         model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    forward = torch.compile(model) if args.compile else model  # compiled at the warm-up step
     data = MockGPTDataset(10 ** 6, shape["seq_length"] - 1, shape["vocab_size"])
     cursor = [0]
     losses = []
@@ -168,9 +214,10 @@ def run_hf(args, shape):
             cursor[0] += args.micro_batch_size
             ids = torch.tensor(rows, device=device)
             with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-                loss = model(ids, labels=ids).loss / args.grad_accum
+                loss = forward(ids, labels=ids).loss / args.grad_accum
             loss.backward()
-            total += loss.item()
+            total += loss.detach()  # one host sync per step, as ours
+        total = total.item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
@@ -193,10 +240,42 @@ def measure(args):
     gc.collect()
     gemm = measure_matmul_tflops(device)
     tflops = flops / seconds / 1e12
-    return {"side": args.only, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    return {"side": args.only, "profile_wall_ms": PROFILE_WALL_MS[-1] if PROFILE_WALL_MS else None,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "seconds_per_iteration": seconds, "tokens_per_second": tokens / seconds, "model_tflops": tflops,
             "gemm_tflops": gemm, "mfu": tflops / gemm, "peak_memory_gib": peak_mem, "losses": losses,
             "profile_ms": dict(PROFILE), "top_kernels": list(TOP_KERNELS)}
+
+
+def plan_sides(args):
+    """[(label, child flags)]: ours, then its A/B and attention variants, then HF eager and HF + torch.compile."""
+    sides = [("ours", [])]
+    if args.ab:
+        sides.append(("ours-unfused", ["--no-fused-elementwise"]))
+    for name in (args.attention_variants.split(",") if args.attention_variants else []):
+        if name not in ATTENTION_VARIANTS:
+            raise SystemExit(f"--attention-variants: unknown variant {name!r}; choose from "
+                             f"{', '.join(ATTENTION_VARIANTS)}")
+        sides.append((f"ours[{name}]", ["--attention-variant", name]))
+    if not args.skip_hf:
+        sides.append(("hf", []))
+    if args.hf_compile:
+        sides.append(("hf-compile", ["--compile"]))
+    return sides
+
+
+def _run_side(label, child_flags, base):
+    """One side in its own process: its result dict, or None (the failure is printed)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    only = "hf" if label.startswith("hf") else "ours"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *base, *child_flags, "--only", only], env=env,
+                          capture_output=True, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        print(f"benchmark side {label!r} failed (exit {proc.returncode}); see the output above", flush=True)
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main(argv=None):
@@ -204,44 +283,53 @@ def main(argv=None):
     if args.only:
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return
+    base, given = [], list(argv if argv is not None else sys.argv[1:])
+    while given:  # the children get the shared flags, not the parent's list of sides
+        arg = given.pop(0)
+        if arg == "--attention-variants":
+            given.pop(0)
+        elif arg not in ("--skip-hf", "--hf-compile", "--ab") and not arg.startswith("--attention-variants="):
+            base.append(str(arg))
     results = {}
-    sides = ["ours"] + ([] if args.skip_hf else ["hf"])
-    base = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--skip-hf",)]
-    for side in sides:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *base, "--only", side], env=env,
-                              capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-            raise SystemExit(f"benchmark side {side!r} failed (exit {proc.returncode})")
-        results[side] = json.loads(lines[-1][len("RESULT "):])
+    for label, child_flags in plan_sides(args):
+        result = _run_side(label, child_flags, base)
+        if result is not None:
+            results[label] = result
     shape = SMALL_MODEL if args.small else DOC_MODEL
     print(f"model {shape}, micro batch {args.micro_batch_size}, accumulation {args.grad_accum}, "
           f"checkpoint activations {args.checkpoint_activations}, attention {args.attention_impl}")
-    print(f"{'':6s} {'tokens/s':>10s} {'TFLOP/s':>9s} {'MFU':>7s} {'GEMM TFLOP/s':>13s} {'peak GiB':>9s}")
+    width = max([6] + [len(label) for label in results])
+    print(f"{'':{width}s} {'tokens/s':>10s} {'TFLOP/s':>9s} {'MFU':>7s} {'GEMM TFLOP/s':>13s} {'peak GiB':>9s}"
+          f" {'vs hf':>6s} {'vs hf-compile':>13s}")
     for side, r in results.items():
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
-        print(f"{side:6s} {r['tokens_per_second']:10.1f} {r['model_tflops']:9.2f} {100 * r['mfu']:6.1f}% "
-              f"{r['gemm_tflops']:13.1f} {mem:>9s}")
+        ratios = [f"{r['tokens_per_second'] / results[ref]['tokens_per_second']:.2f}x" if ref in results else "n/a"
+                  for ref in ("hf", "hf-compile")]
+        print(f"{side:{width}s} {r['tokens_per_second']:10.1f} {r['model_tflops']:9.2f} {100 * r['mfu']:6.1f}% "
+              f"{r['gemm_tflops']:13.1f} {mem:>9s} {ratios[0]:>6s} {ratios[1]:>13s}")
     for side, r in results.items():
         if r.get("profile_ms"):
             total = sum(r["profile_ms"].values())
-            print(f"{side} profile of one step ({total:.1f} ms of kernel time): " + ", ".join(
+            wall = r.get("profile_wall_ms")
+            idle = f", step wall {wall:.1f} ms, idle {wall - total:.1f} ms" if wall else ""
+            print(f"{side} profile of one step ({total:.1f} ms of kernel time{idle}): " + ", ".join(
                 f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in r["profile_ms"].items()))
             for ms, calls, name in r.get("top_kernels", []):
                 print(f"  {ms:8.1f} ms {calls:5d}x [{categorize(name)}] {name}")
-    if "hf" in results:
-        ours, hf = results["ours"], results["hf"]
-        ratio = ours["tokens_per_second"] / hf["tokens_per_second"]
-        line = f"ratio ours/hf: throughput {ratio:.2f}x"
-        if ours["peak_memory_gib"] and hf["peak_memory_gib"]:
-            line += f", peak memory {ours['peak_memory_gib'] / hf['peak_memory_gib']:.2f}x"
-        print(line)
-        results["ratio"] = ratio
+    for ref in ("hf", "hf-compile"):
+        if "ours" in results and ref in results:
+            ours, other = results["ours"], results[ref]
+            ratio = ours["tokens_per_second"] / other["tokens_per_second"]
+            line = f"ratio ours/{ref}: throughput {ratio:.2f}x"
+            if ours["peak_memory_gib"] and other["peak_memory_gib"]:
+                line += f", peak memory {ours['peak_memory_gib'] / other['peak_memory_gib']:.2f}x"
+            print(line)
+            results["ratio" if ref == "hf" else "ratio_hf_compile"] = ratio
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)
+    if len(results) < len(plan_sides(args)):
+        raise SystemExit("some benchmark sides failed (see above)")
     return results
 
 

@@ -12,17 +12,25 @@
 Queries are the last sq positions of sk keys (sk > sq with a KV cache): query i sees keys j <= i + sk - sq.
 An optional key padding mask (B, sk), True for real tokens, excludes padded keys.
 """
+import contextlib
 import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
 _LOGGED = set()
+
+# Measurement knobs for tools/benchmark_training.py --attention-variants (None: torch's defaults). Not flags: the
+# backend stays automatic, and these let one benchmark compare the exact ALiBi options on the device.
+FLEX_KERNEL_OPTIONS = None  # FlexAttention kernel_options, e.g. {"BLOCK_M": 128, "BLOCK_N": 64}
+SDPA_BACKENDS = None  # list of torch.nn.attention.SDPBackend names the sdpa backend may use, e.g. ["CUDNN_ATTENTION"]
+FLEX_COMPILE_MODE = None  # torch.compile mode of FlexAttention, e.g. "max-autotune-no-cudagraphs" (read at first use)
 
 
 def _log_once(message):
@@ -57,16 +65,46 @@ def torch_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
     return torch.matmul(probs, v)
 
 
+_SLOPES_KEYS = WeakIdKeyDictionary()
+
+
+def _slopes_key(slopes):
+    """(device, slope values) of a slopes tensor; read from the device once per tensor object, not per call (a
+    .tolist() of a CUDA tensor is a host sync: one per layer and micro batch would stall the launch queue)."""
+    if slopes not in _SLOPES_KEYS:
+        _SLOPES_KEYS[slopes] = (str(slopes.device), tuple(slopes.tolist()))
+    return _SLOPES_KEYS[slopes]
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_alibi_bias(key, sq, sk, dtype):
+    """One (1, nh, sq, sk) bias per slope set and shape, shared by every layer (one tensor saved for backward,
+    not one per layer)."""
+    device, values = key
+    return alibi_bias(torch.tensor(values, device=device), sq, sk, dtype=dtype).contiguous()
+
+
+def _sdpa_backends():
+    if SDPA_BACKENDS is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, name) for name in SDPA_BACKENDS])
+
+
 def sdpa_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
     # Materialised: cuDNN's SDPA gave wrong results (25% relative error on the H200) for a broadcast (stride-0) bias.
-    bias = alibi_bias(slopes, q.shape[2], k.shape[2], key_padding_mask, dtype=q.dtype).contiguous()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    if key_padding_mask is None and q.is_cuda:
+        bias = _shared_alibi_bias(_slopes_key(slopes), q.shape[2], k.shape[2], q.dtype)
+    else:
+        bias = alibi_bias(slopes, q.shape[2], k.shape[2], key_padding_mask, dtype=q.dtype).contiguous()
+    with _sdpa_backends():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, mode=FLEX_COMPILE_MODE)
 
 
 @functools.lru_cache(maxsize=16)
@@ -84,7 +122,7 @@ _SCORE_MODS = {}
 
 def _alibi_score_mod(slopes):
     """One score_mod per distinct slope set, so the compiled kernel is reused by every layer."""
-    key = (str(slopes.device), tuple(slopes.tolist()))
+    key = _slopes_key(slopes)
     if key not in _SCORE_MODS:
         captured = slopes.float().clone()
 
@@ -96,7 +134,8 @@ def _alibi_score_mod(slopes):
 
 def flex_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
     block_mask = _causal_block_mask(q.shape[2], k.shape[2], str(q.device))
-    return _compiled_flex()(q, k, v, score_mod=_alibi_score_mod(slopes), block_mask=block_mask, scale=scale)
+    return _compiled_flex()(q, k, v, score_mod=_alibi_score_mod(slopes), block_mask=block_mask, scale=scale,
+                            kernel_options=FLEX_KERNEL_OPTIONS)
 
 
 def fused_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import tensor_parallel
+from megatron.fused_kernels import elementwise
 from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model.attention import CoreAttention
 
@@ -106,7 +107,8 @@ class ParallelAttention(nn.Module):
         self.core_attention = CoreAttention(slopes, config.head_dim, config.attention_dropout,
                                             config.attention_impl, config.abort_on_unmet_fused_kernel_constraints)
 
-    def forward(self, x, key_padding_mask=None, layer_cache=None):
+    def forward(self, x, key_padding_mask=None, layer_cache=None, add_bias=True):
+        """add_bias=False: the dense output without its bias (self.dense.bias), for the block's fused region."""
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
         # unbind, not three selects: its backward stacks the three gradients in one kernel, where each select's
@@ -117,7 +119,7 @@ class ParallelAttention(nn.Module):
         else:
             context = self.core_attention(q, k, v, key_padding_mask)  # (B, nh/p, S, hd)
         context = context.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
-        return self.dense(context)
+        return self.dense(context, add_bias=add_bias)
 
 
 class ParallelMLP(nn.Module):
@@ -135,12 +137,24 @@ class ParallelMLP(nn.Module):
             config.ffn_dim, config.hidden_size, input_is_parallel=True,
             init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
 
-    def forward(self, x):
+    def forward(self, x, fused=False):
+        """fused: the output without its bias (self.dense_4h_to_h.bias, for the block's fused region), h -> 4h's
+        bias added inside the fused bias + GeLU."""
+        if fused:
+            h = self.dense_h_to_4h(x, add_bias=False)  # (B, S, F/p)
+            return self.dense_4h_to_h(elementwise.bias_gelu(h, self.dense_h_to_4h.bias), add_bias=False)
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
 
 
 class BloomBlock(nn.Module):
-    """Pre-LN transformer block: x + drop(attn(ln(x))), then + drop(mlp(ln(.)))."""
+    """Pre-LN transformer block: x + drop(attn(ln(x))), then + drop(mlp(ln(.))).
+
+    With config.fused_elementwise, training on CUDA (no KV cache), the elementwise work between the GEMMs runs in
+    three fused regions (megatron.fused_kernels.elementwise) with the dense layers' biases folded in: dense bias +
+    dropout + residual + post-attention LayerNorm, h -> 4h bias + GeLU, and 4h -> h bias + dropout + residual.
+    Elsewhere (CPU, evaluation, generation, ZeRO-3's partitioned parameters, which are gathered only inside
+    their own module's forward) the unfused ops below run.
+    """
 
     def __init__(self, config, layer_number, tp_group=None):
         super().__init__()
@@ -152,8 +166,12 @@ class BloomBlock(nn.Module):
             self.post_attention_layernorm = make_layernorm(config, config.hidden_size)
             self.mlp = ParallelMLP(config, tp_group)
         self.hidden_dropout = config.hidden_dropout
+        self.fused_elementwise = config.fused_elementwise
 
     def forward(self, x, key_padding_mask=None, layer_cache=None):
+        if (self.fused_elementwise and self.training and x.is_cuda and layer_cache is None
+                and not hasattr(self.post_attention_layernorm.weight, "ds_id")):
+            return self.forward_fused(x, key_padding_mask)
         ln = self.input_layernorm(x)
         residual = ln if self.post_ln_residual else x
         attn = self.self_attention(ln, key_padding_mask, layer_cache)
@@ -161,6 +179,18 @@ class BloomBlock(nn.Module):
         ln = self.post_attention_layernorm(x)
         residual = ln if self.post_ln_residual else x
         return residual + F.dropout(self.mlp(ln), p=self.hidden_dropout, training=self.training)
+
+    def forward_fused(self, x, key_padding_mask=None):
+        p, training = self.hidden_dropout, self.training
+        ln = self.input_layernorm(x)
+        residual = ln if self.post_ln_residual else x
+        attn = self.self_attention(ln, key_padding_mask, add_bias=False)  # (B, S, H), after the TP all-reduce
+        norm = self.post_attention_layernorm
+        x, ln = elementwise.bias_dropout_add_layer_norm(attn, self.self_attention.dense.bias, residual, norm.weight,
+                                                        norm.bias, norm.eps, p, training)
+        residual = ln if self.post_ln_residual else x
+        return elementwise.bias_dropout_add(self.mlp(ln, fused=True), self.mlp.dense_4h_to_h.bias, residual, p,
+                                            training)
 
 
 def parallel_lm_logits(hidden, word_embeddings_weight, tp_group):

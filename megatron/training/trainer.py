@@ -57,6 +57,14 @@ def dp_mean(value, dp_group):
     return tensor.item() / dist.get_world_size(dp_group)
 
 
+def _to_device(tokens, device):
+    """An asynchronous host-to-device copy: from pageable memory CUDA first waits for all the queued GPU work (a
+    host sync every micro batch), from pinned memory (torch's caching host allocator) it does not."""
+    if device.type == "cuda" and not tokens.is_cuda:
+        tokens = tokens.pin_memory()
+    return tokens.to(device, non_blocking=True)
+
+
 def train_step(engine, data_iter, gradient_accumulation_steps, pipelined, dp_group=None, guard=None,
                on_phase=None, clock=None):
     """One optimizer step over the global batch; returns the mean LM loss (the same on every rank).
@@ -76,7 +84,7 @@ def train_step(engine, data_iter, gradient_accumulation_steps, pipelined, dp_gro
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
     for micro in range(gradient_accumulation_steps):
         mark("batch-generator", micro)
-        inputs, labels = _split(next(data_iter)["text"].to(engine.device, non_blocking=True))
+        inputs, labels = _split(_to_device(next(data_iter)["text"], engine.device))
         on_phase("forward")
         mark("forward-compute", micro)
         loss = engine(inputs, labels=labels).mean()

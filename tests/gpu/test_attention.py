@@ -87,3 +87,36 @@ def test_bf16_model_backends_agree():
         for layer, (got, want) in enumerate(zip(grads, want_grads)):
             assert want.norm() > 0
             assert relative_error(got, want) < 5e-2, (impl, layer, relative_error(got, want))
+
+
+@pytest.mark.parametrize("knob,value", [
+    ("FLEX_KERNEL_OPTIONS", {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}),
+    ("SDPA_BACKENDS", ["CUDNN_ATTENTION"]),
+    ("SDPA_BACKENDS", ["EFFICIENT_ATTENTION"]),
+], ids=["flex-safe", "sdpa-cudnn", "sdpa-efficient"])
+def test_benchmark_attention_variants_are_exact(monkeypatch, knob, value):
+    """The variants tools/benchmark_training.py --attention-variants measures compute the same attention (the
+    shared, cached ALiBi bias of sdpa included): same tolerances as test_backend_matches_fp32_reference."""
+    from megatron.model import attention
+    monkeypatch.setattr(attention, knob, value)
+    impl = "flex" if knob == "FLEX_KERNEL_OPTIONS" else "sdpa"
+    q, k, v = qkv(s=512, d=128, h=4)
+    slopes = get_alibi_slopes(4).cuda()
+    scale = 128 ** -0.5
+    ref = torch_attention(q.float(), k.float(), v.float(), slopes, scale, 0.0)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    try:
+        out = BACKENDS[impl](q, k, v, slopes, scale, 0.0)
+    except RuntimeError as err:  # this torch build has no such SDPA kernel for these inputs
+        if knob == "SDPA_BACKENDS" and ("No available kernel" in str(err) or "No viable backend" in str(err)):
+            pytest.skip(f"{value[0]} is not available here")
+        raise
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    assert relative_error(out, ref) < 1e-2, relative_error(out, ref)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert relative_error(got, want) < 2e-2, (name, relative_error(got, want))
+    if impl == "sdpa":  # every layer reuses one bias tensor
+        key = attention._slopes_key(slopes)
+        assert attention._shared_alibi_bias(key, 512, 512, q.dtype) is attention._shared_alibi_bias(
+            key, 512, 512, q.dtype)

@@ -70,11 +70,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _init_split_weight((output_size, input_size), 0, world, rank, init_method, params_dtype)
         self.bias = _zero_bias(self.output_size_per_partition, params_dtype, world > 1) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, add_bias=True):
+        """add_bias=False: X A_i without b_i (Megatron's skip_bias_add), for a caller that adds self.bias inside a
+        fused elementwise region; needs gather_output=False."""
+        bias = self.bias if add_bias else None
+        assert add_bias or not self.gather_output, "add_bias=False needs gather_output=False"
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)  # (..., output_size / p)
+        y = F.linear(x, self.weight, bias)  # (..., output_size / p)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y
@@ -101,13 +105,15 @@ class RowParallelLinear(nn.Module):
         self.weight = _init_split_weight((output_size, input_size), 1, world, rank, init_method, params_dtype)
         self.bias = _zero_bias(output_size, params_dtype, False) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, add_bias=True):
+        """add_bias=False: sum_i X_i A_i without b (Megatron's skip_bias_add), for a caller that adds self.bias
+        inside a fused elementwise region."""
         if self.tp_size > 1 and not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         y = F.linear(x, self.weight)  # (..., output_size): this rank's partial product
         if self.tp_size > 1:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias if self.bias is not None and add_bias else y
 
 
 class VocabParallelEmbedding(nn.Module):
