@@ -5,8 +5,8 @@
   tensor (the same seed builds the same full weights), replicated ones equal on both ranks.
 - The HF names and shapes equal those of a transformers BloomForCausalLM; num_parameters is the built model's count.
 - The stage map equals the partition DeepSpeed's PipelineModule computes for the real layer specs, over layer
-  counts, PP sizes and every partition method; in 4 gloo processes, real PipelineModules hold exactly the
-  parameters the stage map gives their stage.
+  counts, PP sizes and every partition method (and the planner's closed form for the default method); in 4 gloo
+  processes, real PipelineModules hold exactly the parameters the stage map gives their stage.
 """
 import dataclasses
 
@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.config import ModelConfig
 from megatron.model import BloomModel, spec
+from megatron.planning import memory
 from tests.distributed import run_distributed
 
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, ffn_hidden_size=48,
@@ -107,6 +108,9 @@ def test_stage_map_is_deepspeeds_partition(method):
         for tp in ((1, 2) if method == "parameters" else (1,)):
             expected = deepspeed_partition(config, pp, method, tp)
             assert spec.stage_bounds(config, pp, method, tp) == expected, (layers, pp, tp)
+            if method == spec.DEFAULT_PARTITION_METHOD:  # the planner's closed form (no DeepSpeed import)
+                blocks = [len(range(max(a, 1), min(b, layers + 1))) for a, b in zip(expected, expected[1:])]
+                assert memory.stage_layers(layers, pp) == blocks, (layers, pp)
             stages = spec.stage_names(config, pp, method, tp)
             assert sum(stages, []) == list(spec.expected_shapes(config))  # every name once, in order
             for stage, names in enumerate(stages):
