@@ -279,6 +279,14 @@ def stage_names(config, tp, pp, tp_flag="--target-tensor-parallel-size", pp_flag
     return spec.stage_names(config, pp, partition_method, tp)
 
 
+def partition_method_of(run_config):
+    """DeepSpeed's partition method of the run whose config.json is run_config (its --pp-partition-method), so a
+    converted checkpoint is staged as a run with the same flags stages its PipelineModule; the default for none."""
+    from megatron.upstream_compat import pipeline_partition_method
+    value = ((run_config or {}).get("upstream") or {}).get("pp_partition_method")
+    return pipeline_partition_method(value) if value else spec.DEFAULT_PARTITION_METHOD
+
+
 def target_piece(shape, dim, tp_rank, tp):
     """(rows, cols) of TP rank tp_rank's slice of a tensor of `shape` split tp ways along dim (None: all)."""
     if dim is None or tp == 1:
@@ -384,7 +392,7 @@ def write_megatron_checkpoint(out, weights, config, tp, pp, *, iteration=0, cons
     from the reader, so at most one output shard is in memory. `out` as write_checkpoint_folder takes it.
     """
     reader = as_reader(weights)
-    stages = stage_names(config, tp, pp)
+    stages = stage_names(config, tp, pp, partition_method=partition_method_of(run_config))
     check_shapes(reader.shapes, config, "the weights to write")
     run_config = layout_config(run_config, tp, pp)
     run_config["model"].update(dataclasses.asdict(dataclasses.replace(config, tensor_model_parallel_size=tp)))

@@ -218,9 +218,11 @@ def stage_bounds(config, pp, method=DEFAULT_PARTITION_METHOD, tp=None):
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     if method.lower() == "uniform":
-        return partition_uniform(num_items=config.num_layers + 3, num_parts=pp)
-    tp = config.tensor_model_parallel_size if tp is None else tp
-    return partition_balanced(weights=_layer_weights(config, method.lower(), tp), num_parts=pp)
+        bounds = partition_uniform(num_items=config.num_layers + 3, num_parts=pp)
+    else:
+        tp = config.tensor_model_parallel_size if tp is None else tp
+        bounds = partition_balanced(weights=_layer_weights(config, method.lower(), tp), num_parts=pp)
+    return [int(b) for b in bounds]
 
 
 def stage_names(config, pp, method=DEFAULT_PARTITION_METHOD, tp=None):

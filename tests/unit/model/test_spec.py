@@ -9,6 +9,7 @@
   processes, real PipelineModules hold exactly the parameters the stage map gives their stage.
 """
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -155,3 +156,20 @@ def _pipelines_hold_their_stage(rank, world):
 
 def test_real_pipeline_modules_hold_the_stage_maps_parameters():
     run_distributed(_pipelines_hold_their_stage, 4)
+
+
+def test_a_conversion_stages_as_the_run_that_resumes_it(tmp_path):
+    """A converted checkpoint's stage files hold what the saved run's --pp-partition-method gives each stage (the
+    stages a run with the same flags loads), not the default method's."""
+    from megatron.checkpoint import convert
+    config = dataclasses.replace(CONFIG, num_layers=4)
+    method = "type:BloomBlockPipe|EmbeddingPipe"
+    assert spec.stage_bounds(config, 3, method) == [0, 2, 4, 7] != spec.stage_bounds(config, 3)
+    weights = {name: torch.zeros(shape) for name, shape in spec.expected_shapes(config).items()}
+    run_config = {"upstream": {"pp_partition_method": "type:transformer|embedding"}}
+    for run, expected in ((run_config, spec.stage_names(config, 3, method)), (None, spec.stage_names(config, 3))):
+        out = convert.write_megatron_checkpoint(str(tmp_path / f"iter_000000{bool(run):d}"), weights, config, 1, 3,
+                                                run_config=run)
+        held = [list(convert.read_shard(os.path.join(out, f"model_tp00_pp{p:03d}.pt"))["weights"]) for p in range(3)]
+        assert held == expected
+        assert held[1][0] == ("layers.1.input_layernorm.weight" if run else "layers.2.input_layernorm.weight")
