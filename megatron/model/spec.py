@@ -22,6 +22,7 @@ shape and offsets), which needs the model and its process groups; here the descr
 offline tools (conversion, export, the planner) use it without building anything, and the test ties it to the
 built model. Pure: no torch; DeepSpeed's partition function is imported when a stage map is asked for.
 """
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -177,21 +178,25 @@ TIED_KEY = "embed"
 DEFAULT_PARTITION_METHOD = "type:BloomBlockPipe"
 
 
+@functools.lru_cache(maxsize=8)
 def pipe_layers(num_layers):
-    """[embedding] [block x num_layers] [final norm] [head]: the PipelineModule's layer list."""
-    layers = [PipeLayer("embedding", "EmbeddingPipe", 0)]
-    layers += [PipeLayer("block", "BloomBlockPipe", n + 1, n) for n in range(num_layers)]
-    layers += [PipeLayer("final_norm", "FinalLayerNormPipe", num_layers + 1),
-               PipeLayer("head", "EmbeddingPipe", num_layers + 2)]
-    return layers
+    """(embedding, block x num_layers, final norm, head): the PipelineModule's layer list."""
+    return ((PipeLayer("embedding", "EmbeddingPipe", 0),)
+            + tuple(PipeLayer("block", "BloomBlockPipe", n + 1, n) for n in range(num_layers))
+            + (PipeLayer("final_norm", "FinalLayerNormPipe", num_layers + 1),
+               PipeLayer("head", "EmbeddingPipe", num_layers + 2)))
 
 
 def canonical_name(module_name, num_layers):
     """A PipelineModule parameter name -> canonical name (None for names that are not model weights)."""
-    for layer in pipe_layers(num_layers):
-        if layer.kind != "head" and module_name.startswith(layer.module_prefix):
-            return layer.canonical_prefix + module_name[len(layer.module_prefix):]
-    return None
+    layers = pipe_layers(num_layers)
+    tied = layers[0]
+    if module_name.startswith(tied.module_prefix):
+        return tied.canonical_prefix + module_name[len(tied.module_prefix):]
+    index, dot, rest = module_name.partition(".")
+    if not (dot and index.isdigit() and int(index) < len(layers)) or layers[int(index)].kind in ("embedding", "head"):
+        return None
+    return layers[int(index)].canonical_prefix + rest
 
 
 def _layer_weights(config, method, tp):

@@ -173,3 +173,8 @@ def test_a_conversion_stages_as_the_run_that_resumes_it(tmp_path):
         held = [list(convert.read_shard(os.path.join(out, f"model_tp00_pp{p:03d}.pt"))["weights"]) for p in range(3)]
         assert held == expected
         assert held[1][0] == ("layers.1.input_layernorm.weight" if run else "layers.2.input_layernorm.weight")
+
+
+def test_pipeline_names_without_a_weight_map_to_none():
+    names = ("0.weight", "5.weight", "6.weight", "loss_fn.x", "tied_modules.x")  # 5: the head, 6: past the list
+    assert [spec.canonical_name(name, 3) for name in names] == [None] * 5
