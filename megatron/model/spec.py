@@ -153,6 +153,9 @@ def from_hf_name(name):
 
 # ---------------------------------------------------------------- the pipeline
 
+TIED_KEY = "embed"  # the TiedLayerSpec key of the word embedding (first layer) and the LM head (last)
+DEFAULT_PARTITION_METHOD = "type:BloomBlockPipe"
+
 
 @dataclass(frozen=True)
 class PipeLayer:
@@ -171,11 +174,7 @@ class PipeLayer:
 
     @property
     def module_prefix(self):
-        return "tied_modules.embed." if self.kind in ("embedding", "head") else f"{self.index}."
-
-
-TIED_KEY = "embed"
-DEFAULT_PARTITION_METHOD = "type:BloomBlockPipe"
+        return f"tied_modules.{TIED_KEY}." if self.kind in ("embedding", "head") else f"{self.index}."
 
 
 @functools.lru_cache(maxsize=8)
@@ -203,10 +202,10 @@ def _layer_weights(config, method, tp):
     """The weight of each pipeline layer that DeepSpeed's partition_balanced balances under `method`."""
     layers = pipe_layers(config.num_layers)
     if method == "parameters":  # what PipelineModule._count_layer_params counts: each built layer's local numel
-        holds = {"embedding": "embedding", "head": "embedding", "block": "block", "final_norm": "final_norm"}
-        counts = {kind: sum(math.prod(local_shape(p, config, tp)) for p in PARAMS
-                            if p.holder == kind and exists(p, config)) for kind in ("embedding", "block", "final_norm")}
-        return [counts[holds[layer.kind]] for layer in layers]
+        def count(holder):
+            return sum(math.prod(local_shape(p, config, tp)) for p in PARAMS
+                       if p.holder == holder and exists(p, config))
+        return [count("embedding" if layer.kind == "head" else layer.kind) for layer in layers]
     if method.lower().startswith("type:"):
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
         weights = [1 if pattern.search(layer.class_name) else 0 for layer in layers]
