@@ -152,11 +152,10 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def num_parameters(self):
-        """Trainable parameters (the LM head is tied to the word embeddings)."""
-        h, f, l = self.hidden_size, self.ffn_dim, self.num_layers
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        embed = self.vocab_size * h + (2 * h if self.embed_layernorm else 0)
-        return embed + l * per_layer + 2 * h
+        """Trainable parameters (the LM head is tied to the word embeddings): the sum over the parameter spec's
+        rows (megatron/model/spec.py)."""
+        from megatron.model.spec import num_parameters
+        return num_parameters(self)
 
 
 @dataclass(frozen=True)

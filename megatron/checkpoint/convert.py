@@ -33,6 +33,7 @@ from megatron.checkpoint.io import atomic_folder, fsync_tree, torch_save_synced,
 from megatron.checkpoint.streams import OpenFiles, narrow, owned, span_bytes, window, window_ranges
 from megatron.config import ModelConfig
 from megatron.file_modes import apply_umask
+from megatron.model import spec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -260,23 +261,11 @@ def as_reader(weights):
 # ---------------------------------------------------------------- splitting
 
 
-def stage_of_layers(num_layers, pp):
-    """Stage index of each transformer block, as DeepSpeed's PipelineModule places them ("type:BloomBlockPipe")
-    with the spec list [embedding, block x L, final norm, head]."""
-    from deepspeed.runtime.utils import partition_balanced
-    binary = [0] + [1] * num_layers + [0, 0]
-    parts = partition_balanced(weights=binary, num_parts=pp)
-    stage = {}
-    for s in range(pp):
-        for spec in range(parts[s], parts[s + 1]):
-            stage[spec] = s
-    return [stage[i + 1] for i in range(num_layers)], stage[num_layers + 1]
-
-
-def stage_names(config, tp, pp, tp_flag="--target-tensor-parallel-size", pp_flag="--target-pipeline-parallel-size"):
+def stage_names(config, tp, pp, tp_flag="--target-tensor-parallel-size", pp_flag="--target-pipeline-parallel-size",
+                partition_method=spec.DEFAULT_PARTITION_METHOD):
     """[names of stage 0, names of stage 1, ...] for a TP x PP layout, each in canonical order (ValueError naming
-    the flag when the layout does not fit the model). The embedding is in stage 0 only, as
-    save.model_shard stores it."""
+    the flag when the layout does not fit the model): the stages DeepSpeed's PipelineModule gives the layers under
+    partition_method (spec.stage_names). The embedding is in stage 0 only, as save.model_shard stores it."""
     for flag, value in ((tp_flag, tp), (pp_flag, pp)):
         if value < 1:
             raise ValueError(f"{flag} {value} must be at least 1")
@@ -287,16 +276,15 @@ def stage_names(config, tp, pp, tp_flag="--target-tensor-parallel-size", pp_flag
         dataclasses.replace(config, tensor_model_parallel_size=tp)
     except ValueError as err:
         raise ValueError(f"{tp_flag} {tp} does not fit this model: {err}") from err
-    layer_stage, final_stage = stage_of_layers(config.num_layers, pp)
-    stages = [[] for _ in range(pp)]
-    for name in expected_shapes(config):
-        if name.startswith("embedding."):
-            stages[0].append(name)
-        elif name.startswith("layers."):
-            stages[layer_stage[int(name.split(".")[1])]].append(name)
-        else:
-            stages[final_stage].append(name)
-    return stages
+    return spec.stage_names(config, pp, partition_method, tp)
+
+
+def partition_method_of(run_config):
+    """DeepSpeed's partition method of the run whose config.json is run_config (its --pp-partition-method), so a
+    converted checkpoint is staged as a run with the same flags stages its PipelineModule; the default for none."""
+    from megatron.upstream_compat import pipeline_partition_method
+    value = ((run_config or {}).get("upstream") or {}).get("pp_partition_method")
+    return pipeline_partition_method(value) if value else spec.DEFAULT_PARTITION_METHOD
 
 
 def target_piece(shape, dim, tp_rank, tp):
@@ -404,7 +392,7 @@ def write_megatron_checkpoint(out, weights, config, tp, pp, *, iteration=0, cons
     from the reader, so at most one output shard is in memory. `out` as write_checkpoint_folder takes it.
     """
     reader = as_reader(weights)
-    stages = stage_names(config, tp, pp)
+    stages = stage_names(config, tp, pp, partition_method=partition_method_of(run_config))
     check_shapes(reader.shapes, config, "the weights to write")
     run_config = layout_config(run_config, tp, pp)
     run_config["model"].update(dataclasses.asdict(dataclasses.replace(config, tensor_model_parallel_size=tp)))

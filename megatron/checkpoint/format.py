@@ -38,6 +38,7 @@ import re
 import zlib
 
 from megatron.config import ModelConfig
+from megatron.model.spec import expected_shapes, partition_dim  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
@@ -229,45 +230,7 @@ def checkpoint_bytes(num_parameters, precision, no_save_optim=False):
 
 
 # ---------------------------------------------------------------- the model's names, shapes and partition dims
-
-
-# Dimension along which tensor parallelism splits each canonical tensor (None: replicated on every rank).
-_PARTITION_DIMS = [
-    (re.compile(r"^embedding\.word_embeddings\.weight$"), 0),
-    (re.compile(r"^layers\.\d+\.self_attention\.query_key_value\.(weight|bias)$"), 0),
-    (re.compile(r"^layers\.\d+\.self_attention\.dense\.weight$"), 1),
-    (re.compile(r"^layers\.\d+\.mlp\.dense_h_to_4h\.(weight|bias)$"), 0),
-    (re.compile(r"^layers\.\d+\.mlp\.dense_4h_to_h\.weight$"), 1),
-]
-
-
-def partition_dim(name):
-    for regex, dim in _PARTITION_DIMS:
-        if regex.match(name):
-            return dim
-    return None
-
-
-def expected_shapes(config):
-    """Canonical name -> full (unsplit) shape for a ModelConfig, in BloomModel's parameter order."""
-    h, f, v = config.hidden_size, config.ffn_dim, config.vocab_size
-    shapes = {"embedding.word_embeddings.weight": (v, h)}
-    if config.embed_layernorm:
-        shapes.update({"embedding.word_embeddings_layernorm.weight": (h,),
-                       "embedding.word_embeddings_layernorm.bias": (h,)})
-    for n in range(config.num_layers):
-        p = f"layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
-            p + "self_attention.query_key_value.weight": (3 * h, h),
-            p + "self_attention.query_key_value.bias": (3 * h,),
-            p + "self_attention.dense.weight": (h, h), p + "self_attention.dense.bias": (h,),
-            p + "post_attention_layernorm.weight": (h,), p + "post_attention_layernorm.bias": (h,),
-            p + "mlp.dense_h_to_4h.weight": (f, h), p + "mlp.dense_h_to_4h.bias": (f,),
-            p + "mlp.dense_4h_to_h.weight": (h, f), p + "mlp.dense_4h_to_h.bias": (h,),
-        })
-    shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
-    return shapes
+# expected_shapes(config) and partition_dim(name) come from the parameter spec (megatron/model/spec.py).
 
 
 def check_shapes(shapes, config, source):

@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from megatron.checkpoint.convert import (CheckpointReader, layout_config, read_shard_for, stage_names,
-                                         write_checkpoint_folder)
+from megatron.checkpoint.convert import (CheckpointReader, layout_config, partition_method_of, read_shard_for,
+                                         stage_names, write_checkpoint_folder)
 from megatron.checkpoint.format import (OPTIMIZER_FORMAT_PARAMETERS, CheckpointError, has_parameter_index,
                                         index_name, optimizer_name, partition_dim, read_meta, shard_name,
                                         verify_checkpoint)
@@ -101,7 +101,8 @@ def convert_checkpoint(src, dst, tp, pp, force=False, verify=True):
         folder = reader.folder
         meta = read_meta(folder)
         check_source(folder, meta)
-        stages = stage_names(reader.config, tp, pp)  # before the checksums: a wrong flag fails at once
+        # before the checksums: a wrong flag fails at once
+        stages = stage_names(reader.config, tp, pp, partition_method=partition_method_of(reader.run_config))
         reason = verify_checkpoint(folder) if verify else None
         if reason:
             raise CheckpointError(f"--load {src}: checkpoint is incomplete or corrupt: {reason}")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.convert import read_shard_for, stage_names
 from megatron.checkpoint.format import CheckpointError
+from megatron.upstream_compat import pipeline_partition_method
 
 logger = logging.getLogger(__name__)
 _SHAPE_FLAGS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
@@ -53,7 +54,8 @@ def resume(engine, config, state, folder):
     try:
         check_model(checkpoint, config.model)
         tp, pp = state.tensor_model_parallel_size, state.pipeline_model_parallel_size
-        stages = stage_names(config.model, tp, pp, "--tensor-model-parallel-size", "--pipeline-model-parallel-size")
+        stages = stage_names(config.model, tp, pp, "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                             pipeline_partition_method(config.upstream.pp_partition_method))  # as engine.py builds
         names = list(dict.fromkeys(stages[0] + stages[state.pp_rank]))  # the tied embedding lives on stage 0's list
         weights = read_shard_for(checkpoint, names, state.tp_rank, tp)["weights"]
         if config.training.zero_stage == 3:

@@ -1,59 +1,13 @@
-"""The name table between our canonical state dict and Hugging Face BloomForCausalLM's, and the config map.
+"""Our canonical state dict <-> Hugging Face BloomForCausalLM's, and the config map.
 
-Both sides keep BLOOM's per-head fused QKV layout, so tensors move unchanged; only names differ, and HF's
-lm_head.weight is the word embedding (tied), added on export and dropped (after a check) on import.
+The names come from the parameter spec (megatron/model/spec.py: each row's hf_name). Both sides keep BLOOM's
+per-head fused QKV layout, so tensors move unchanged; only names differ, and HF's lm_head.weight is the word
+embedding (tied), added on export and dropped (after a check) on import.
 """
-import re
-
 import torch
 
 from megatron.config import ModelConfig
-
-# (our name, HF name); "{n}" is the layer index.
-NAME_TABLE = [
-    ("embedding.word_embeddings.weight", "transformer.word_embeddings.weight"),
-    ("embedding.word_embeddings_layernorm.weight", "transformer.word_embeddings_layernorm.weight"),
-    ("embedding.word_embeddings_layernorm.bias", "transformer.word_embeddings_layernorm.bias"),
-    ("layers.{n}.input_layernorm.weight", "transformer.h.{n}.input_layernorm.weight"),
-    ("layers.{n}.input_layernorm.bias", "transformer.h.{n}.input_layernorm.bias"),
-    ("layers.{n}.self_attention.query_key_value.weight", "transformer.h.{n}.self_attention.query_key_value.weight"),
-    ("layers.{n}.self_attention.query_key_value.bias", "transformer.h.{n}.self_attention.query_key_value.bias"),
-    ("layers.{n}.self_attention.dense.weight", "transformer.h.{n}.self_attention.dense.weight"),
-    ("layers.{n}.self_attention.dense.bias", "transformer.h.{n}.self_attention.dense.bias"),
-    ("layers.{n}.post_attention_layernorm.weight", "transformer.h.{n}.post_attention_layernorm.weight"),
-    ("layers.{n}.post_attention_layernorm.bias", "transformer.h.{n}.post_attention_layernorm.bias"),
-    ("layers.{n}.mlp.dense_h_to_4h.weight", "transformer.h.{n}.mlp.dense_h_to_4h.weight"),
-    ("layers.{n}.mlp.dense_h_to_4h.bias", "transformer.h.{n}.mlp.dense_h_to_4h.bias"),
-    ("layers.{n}.mlp.dense_4h_to_h.weight", "transformer.h.{n}.mlp.dense_4h_to_h.weight"),
-    ("layers.{n}.mlp.dense_4h_to_h.bias", "transformer.h.{n}.mlp.dense_4h_to_h.bias"),
-    ("final_layernorm.weight", "transformer.ln_f.weight"),
-    ("final_layernorm.bias", "transformer.ln_f.bias"),
-]
-HF_TIED_HEAD = "lm_head.weight"
-
-
-def _compile(pattern):
-    return re.compile("^" + re.escape(pattern).replace(re.escape("{n}"), r"(?P<n>\d+)") + "$")
-
-
-_OURS_TO_HF = [(_compile(ours), hf) for ours, hf in NAME_TABLE]
-_HF_TO_OURS = [(_compile(hf), ours) for ours, hf in NAME_TABLE]
-
-
-def _rename(name, table, side):
-    for regex, target in table:
-        match = regex.match(name)
-        if match:
-            return target.format(n=match.group("n")) if "n" in match.groupdict() else target
-    raise KeyError(f"{side} parameter {name!r} has no entry in the BLOOM name table")
-
-
-def to_hf_name(name):
-    return _rename(name, _OURS_TO_HF, "our")
-
-
-def from_hf_name(name):
-    return _rename(name, _HF_TO_OURS, "Hugging Face")
+from megatron.model.spec import HF_TIED_HEAD, from_hf_name, to_hf_name  # noqa: F401 (the name table: spec.py)
 
 
 def to_hf_state_dict(state_dict):

@@ -2,6 +2,8 @@
 
     [TiedLayerSpec embed: BloomEmbedding] [BloomBlockPipe x L] [FinalLayerNorm] [TiedLayerSpec embed: LM head]
 
+(the list is spec.pipe_layers; the parameter spec, megatron/model/spec.py, also derives the names and stage maps).
+
 The word embedding lives on the first and the last stage; DeepSpeed all-reduces its gradient over the
 embedding group. Between stages only the hidden states (B, S, H) travel. The loss function receives the
 vocab-parallel logits and the labels. canonical_name() maps the module's parameter names to the
@@ -10,13 +12,12 @@ names BloomModel uses, so checkpoints and tools see one layout whatever the PP s
 The tensor-parallel group is passed in (tp_group, as for BloomModel) and handed to every layer spec and the loss;
 it must be this rank's group along the topology's "model" axis.
 """
-import re
-
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from megatron.core import tensor_parallel
+from megatron.model import spec
 from megatron.model.bloom import BloomBlock, BloomEmbedding, make_layernorm, parallel_lm_logits
 
 
@@ -55,8 +56,22 @@ class _LossFn:
                                                             inplace_backward=True).mean()
 
 
+_CLASSES = {"EmbeddingPipe": EmbeddingPipe, "BloomBlockPipe": BloomBlockPipe, "FinalLayerNormPipe": FinalLayerNormPipe}
+
+
+def _layer_spec(layer, config, tp_group):
+    """DeepSpeed's LayerSpec for one entry of spec.pipe_layers (the class it names, the tied embedding by key)."""
+    cls = _CLASSES[layer.class_name]
+    if layer.kind in ("embedding", "head"):
+        return TiedLayerSpec(spec.TIED_KEY, cls, config, tp_group, tied_weight_attr="word_embeddings_weight",
+                             forward_fn=_lm_head if layer.kind == "head" else None)
+    if layer.kind == "block":
+        return LayerSpec(cls, config, layer.layer_number, tp_group)
+    return LayerSpec(cls, config)
+
+
 def build_pipeline_model(config, topology, checkpoint_activations=False, activation_checkpoint_func=None,
-                         tp_group=None, partition_method="type:BloomBlockPipe"):
+                         tp_group=None, partition_method=spec.DEFAULT_PARTITION_METHOD):
     """PipelineModule for config (ModelConfig) over DeepSpeed's PipeModelDataParallelTopology.
 
     partition_method: DeepSpeed's (type:BloomBlockPipe counts the blocks; type:BloomBlockPipe|EmbeddingPipe
@@ -70,11 +85,7 @@ def build_pipeline_model(config, topology, checkpoint_activations=False, activat
     if topology.get_dim("model") != tp_size:
         raise ValueError(f"the pipeline topology has {topology.get_dim('model')} tensor-parallel ranks but "
                          f"tp_group has {tp_size}; pass the tensor-parallel group of this layout")
-    specs = [TiedLayerSpec("embed", EmbeddingPipe, config, tp_group, tied_weight_attr="word_embeddings_weight")]
-    specs += [LayerSpec(BloomBlockPipe, config, i, tp_group) for i in range(config.num_layers)]
-    specs += [LayerSpec(FinalLayerNormPipe, config)]
-    specs += [TiedLayerSpec("embed", EmbeddingPipe, config, tp_group, forward_fn=_lm_head,
-                            tied_weight_attr="word_embeddings_weight")]
+    specs = [_layer_spec(layer, config, tp_group) for layer in spec.pipe_layers(config.num_layers)]
     return PipelineModule(
         layers=specs, loss_fn=_LossFn(tp_group), topology=topology,
         partition_method=partition_method,
@@ -83,22 +94,9 @@ def build_pipeline_model(config, topology, checkpoint_activations=False, activat
         checkpointable_layers=["BloomBlockPipe"])
 
 
-_NUMBERED = re.compile(r"^(\d+)\.(.*)$")
-
-
 def canonical_name(name, num_layers):
     """PipelineModule parameter name -> BloomModel name (None for names that are not model weights)."""
-    if name.startswith("tied_modules.embed."):
-        return "embedding." + name[len("tied_modules.embed."):]
-    match = _NUMBERED.match(name)
-    if match is None:
-        return None
-    index, rest = int(match.group(1)), match.group(2)
-    if 1 <= index <= num_layers:
-        return f"layers.{index - 1}.{rest}"
-    if index == num_layers + 1:
-        return rest  # final_layernorm.*
-    return None
+    return spec.canonical_name(name, num_layers)
 
 
 def load_canonical_state_dict(module, state, num_layers):

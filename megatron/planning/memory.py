@@ -34,6 +34,9 @@ model, after the corrections that run prompted (benchmarks/results/h200_memory_p
 second run is the check.
 """
 import dataclasses
+import math
+
+from megatron.model import spec
 
 GIB = 2 ** 30
 ZERO_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
@@ -43,7 +46,8 @@ CUDA_CONTEXT_BYTES = 0  # torch.cuda.max_memory_allocated does not see the CUDA 
 
 def stage_layers(num_layers, pp):
     """Transformer layers of each pipeline stage: DeepSpeed's partition_balanced over the BloomBlockPipe layers
-    gives the first num_layers % pp stages one more."""
+    gives the first num_layers % pp stages one more (spec.stage_names without importing DeepSpeed; tests/unit/model/
+    test_spec.py compares the two)."""
     base, extra = divmod(num_layers, pp)
     return [base + (1 if stage < extra else 0) for stage in range(pp)]
 
@@ -52,24 +56,24 @@ def rank_tensors(model, tp, pp, stage):
     """[(numel, is_matrix)] of the parameters one TP rank of `stage` holds, in the module's order, and the
     elements that get no gradient (the last stage's copy of the embedding LayerNorm, which its forward skips).
 
-    model: ModelConfig (vocab_size padded). Column- and vocab-parallel tensors are split by t; the row-parallel
-    biases and the LayerNorms are whole on every TP rank. The tied word embedding lives on the first and on the
+    model: ModelConfig (vocab_size padded). The shapes and TP splits are the parameter spec's (megatron/model/
+    spec.py): column- and vocab-parallel tensors are split by t; the row-parallel biases and the LayerNorms are
+    whole on every TP rank. The tied word embedding lives on the first and on the
     last stage (DeepSpeed's TiedLayerSpec builds the whole EmbeddingPipe there, its LayerNorm included).
     """
-    h, f, v = model.hidden_size, model.ffn_dim, model.vocab_size
-    embedding = [(v // tp * h, True)] + ([(h, False), (h, False)] if model.embed_layernorm else [])
-    layer = [(h, False), (h, False), (3 * h // tp * h, True), (3 * h // tp, False), (h * (h // tp), True),
-             (h, False), (h, False), (h, False), (f // tp * h, True), (f // tp, False), (h * (f // tp), True),
-             (h, False)]
+    def held(holder):  # the parameter spec's rows of one pipeline layer, as this TP rank holds them
+        return [(math.prod(spec.local_shape(p, model, tp)), len(p.shape) == 2) for p in spec.PARAMS
+                if p.holder == holder and spec.exists(p, model)]
+    embedding, layer = held("embedding"), held("block")
     tensors, unused = [], 0
     if stage == 0:
         tensors += embedding
     tensors += layer * stage_layers(model.num_layers, pp)[stage]
     if stage == pp - 1:
-        tensors += [(h, False), (h, False)]  # final LayerNorm
+        tensors += held("final_norm")
         if pp > 1:
             tensors += embedding
-            unused = 2 * h if model.embed_layernorm else 0
+            unused = sum(numel for numel, matrix in embedding if not matrix)  # its LayerNorm
     return tensors, unused
 
 

@@ -336,12 +336,18 @@ def test_resolve_is_pure_and_leaves_the_namespace_alone():
     args = parse_args(MOCK + ["--deepspeed_config", "never-read.json", "--tensor-model-parallel-size", "2"])
     before = dict(vars(args))
     config, ds_dict = resolve(args, 8, {"clip_grad": 0.5, "gradient_accumulation_steps": 3}, None, 1000)
-    assert vars(args) == before  # clip_grad stays 1.0 (its default), global_batch_size unset
+    assert vars(args) == before and (args.clip_grad, args.global_batch_size) == (1.0, None)  # the flags' defaults
     assert (config.parallel.data_parallel_size, config.training.global_batch_size, config.optimizer.clip_grad,
             config.model.vocab_size, config.deepspeed_config) == (4, 24, 0.5, 1024, "never-read.json")
     assert (ds_dict["train_batch_size"], ds_dict["gradient_accumulation_steps"], ds_dict["gradient_clipping"]) == \
         (24, 3, 0.5)
-    assert resolve(args, 8, {"clip_grad": 0.5, "gradient_accumulation_steps": 3}, None, 1000) == (config, ds_dict)
+    other, other_ds = resolve(args, 2, None, None, 1000)  # another world, no JSON: nothing carries over
+    assert (other.parallel.data_parallel_size, other.training.global_batch_size, other.optimizer.clip_grad,
+            other_ds["train_batch_size"], other_ds["gradient_accumulation_steps"]) == (1, 2, 1.0, 2, 1)
+    again, again_ds = resolve(args, 8, {"clip_grad": 0.5, "gradient_accumulation_steps": 3}, None, 1000)
+    assert (again.parallel.data_parallel_size, again.training.global_batch_size, again.optimizer.clip_grad,
+            again_ds["train_batch_size"], again_ds["gradient_accumulation_steps"]) == (4, 24, 0.5, 24, 3)
+    assert vars(args) == before
 
 
 def test_defaults_live_in_the_configs():

@@ -2,9 +2,10 @@
 
 Weights are initialised as the full (unsplit) matrix on the CPU with the caller's `init_method`, which
 draws from torch's global CPU RNG, and each rank keeps its slice. The same seed therefore gives the same
-full weights whatever the tensor-parallel size. Every split parameter carries the attributes
-`tensor_model_parallel=True`, `partition_dim` and `partition_stride`, which the checkpoint tools and
-DeepSpeed's gradient-norm code read.
+full weights whatever the tensor-parallel size. Every parameter carries `tensor_model_parallel` (True when split
+over p > 1 ranks), `partition_dim` (the dim it is split along at any TP size; None for RowParallelLinear's bias,
+which every rank holds whole) and `partition_stride`, which the checkpoint tools and DeepSpeed's gradient-norm
+code read; they agree with the parameter spec (megatron/model/spec.py, tests/unit/model/test_spec.py).
 
 Every layer takes its tensor-parallel group as `tp_group` (a ProcessGroup, or None for no tensor parallelism) and
 resolves tp_size / tp_rank once in __init__; forward reads only those attributes, never global state.
@@ -44,9 +45,9 @@ def _init_split_weight(full_shape, partition_dim, world, rank, init_method, dtyp
     return weight
 
 
-def _zero_bias(size, dtype, is_parallel):
+def _zero_bias(size, dtype, is_parallel, partition_dim):
     bias = nn.Parameter(torch.zeros(size, dtype=dtype))
-    set_tensor_model_parallel_attributes(bias, is_parallel, 0)
+    set_tensor_model_parallel_attributes(bias, is_parallel, partition_dim)
     return bias
 
 
@@ -68,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         init_method = init_method or nn.init.xavier_normal_
         self.weight = _init_split_weight((output_size, input_size), 0, world, rank, init_method, params_dtype)
-        self.bias = _zero_bias(self.output_size_per_partition, params_dtype, world > 1) if bias else None
+        self.bias = _zero_bias(self.output_size_per_partition, params_dtype, world > 1, 0) if bias else None
 
     def forward(self, x, add_bias=True):
         """add_bias=False: X A_i without b_i (Megatron's skip_bias_add), for a caller that adds self.bias inside a
@@ -103,7 +104,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         init_method = init_method or nn.init.xavier_normal_
         self.weight = _init_split_weight((output_size, input_size), 1, world, rank, init_method, params_dtype)
-        self.bias = _zero_bias(output_size, params_dtype, False) if bias else None
+        self.bias = _zero_bias(output_size, params_dtype, False, None) if bias else None  # whole on every rank
 
     def forward(self, x, add_bias=True):
         """add_bias=False: sum_i X_i A_i without b (Megatron's skip_bias_add), for a caller that adds self.bias

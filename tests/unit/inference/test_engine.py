@@ -7,7 +7,7 @@ from transformers import BloomConfig, BloomForCausalLM
 from megatron.config import ModelConfig
 from megatron.inference import InferenceEngine, SamplingParams
 from megatron.inference.reference import generate as reference_generate
-from megatron.inference.sampling import filter_rows, hashed_uniform, sample_rows
+from megatron.inference.sampling import filter_logits, filter_rows, hashed_uniform, sample_rows
 from megatron.model import BloomModel
 from megatron.model.hf_bloom import from_hf_state_dict
 
@@ -34,6 +34,36 @@ def hf_greedy(hf, prompt, max_new_tokens, eos=None):
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                       eos_token_id=eos, pad_token_id=3)[0, len(prompt):].tolist()
     return out[:out.index(eos) + 1] if eos is not None and eos in out else out
+
+
+_MASK64, _GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+
+def _splitmix64_finaliser(x):  # in Python's unbounded integers, reduced modulo 2^64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def splitmix_uniform(seed, counter, vocab_id):
+    """The uniform the sampler's hash promises for (seed, token index, vocabulary id), computed independently of
+    its int64 tensor arithmetic: the top 24 bits of splitmix64's finaliser, centred, in float32."""
+    key = _splitmix64_finaliser((seed * _GOLDEN + counter) & _MASK64)
+    bits = _splitmix64_finaliser((key + vocab_id * _GOLDEN) & _MASK64) >> 40
+    return (torch.tensor(float(bits)) + 0.5).item() / (1 << 24)
+
+
+def reference_sample(model, prompt, seed, params):
+    """Token by token without a cache: full forward, the single-row filter, Gumbel-max with splitmix_uniform."""
+    ids, out = list(prompt), []
+    for counter in range(params.max_new_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[0, -1].float()
+        scaled = filter_logits((logits / params.temperature)[None], params.top_k, params.top_p)[0]
+        u = torch.tensor([splitmix_uniform(seed, counter, v) for v in range(logits.shape[-1])])
+        out.append(int(torch.argmax(scaled - torch.log(-torch.log(u)))))
+        ids.append(out[-1])
+    return out
 
 
 def engine(model, **kwargs):
@@ -67,9 +97,8 @@ def test_each_row_stops_at_eod_and_reports_why(pair):
 
 
 def test_continuous_batching_rows_join_and_leave_without_changing_outputs(pair):
-    _, ours = pair
-    alone = [engine(ours, max_batch_size=1).generate([p], SamplingParams(greedy=True, max_new_tokens=n))[0]
-             for p, n in zip(PROMPTS, (5, 20, 9, 14))]
+    hf, ours = pair
+    alone = [hf_greedy(hf, p, n) for p, n in zip(PROMPTS, (5, 20, 9, 14))]
     eng = engine(ours, max_batch_size=2)  # 4 requests of different lengths through 2 slots
     requests = [eng.add_request(p, SamplingParams(greedy=True, max_new_tokens=n))
                 for p, n in zip(PROMPTS[:2], (5, 20))]
@@ -86,7 +115,7 @@ def test_continuous_batching_rows_join_and_leave_without_changing_outputs(pair):
 
 
 def test_cancel_frees_the_slot(pair):
-    _, ours = pair
+    hf, ours = pair
     eng = engine(ours, max_batch_size=1)
     first = eng.add_request(PROMPTS[0], SamplingParams(greedy=True, max_new_tokens=30))
     second = eng.add_request(PROMPTS[1], SamplingParams(greedy=True, max_new_tokens=6))
@@ -95,14 +124,14 @@ def test_cancel_frees_the_slot(pair):
     assert first.finish_reason == "cancelled"
     while eng.has_work():
         eng.step()
-    assert second.output == engine(ours).generate([PROMPTS[1]], SamplingParams(greedy=True, max_new_tokens=6))[0]
+    assert second.output == hf_greedy(hf, PROMPTS[1], 6)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(pair):
     _, ours = pair
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=16)
     batched = engine(ours).generate(PROMPTS, params, seed=7)
-    assert batched == engine(ours).generate(PROMPTS, params, seed=7)
+    assert batched == [reference_sample(ours, p, 7 + i, params) for i, p in enumerate(PROMPTS)]
     one_by_one = [engine(ours, max_batch_size=1).generate([p], params, seed=7 + i)[0] for i, p in enumerate(PROMPTS)]
     assert batched == one_by_one
     assert batched != engine(ours).generate(PROMPTS, params, seed=8)
@@ -129,7 +158,9 @@ def test_bad_requests_name_the_limit(pair):
 def test_hashed_uniform_is_a_function_of_seed_and_counter():
     seeds, counters = torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0])
     u = hashed_uniform(seeds, counters, 50_000)
-    assert torch.equal(u, hashed_uniform(seeds, counters, 50_000))
+    for row, (seed, counter) in enumerate([(1, 0), (1, 1), (2, 0)]):
+        for vocab_id in (0, 1, 777, 49_999):
+            assert u[row, vocab_id].item() == splitmix_uniform(seed, counter, vocab_id), (row, vocab_id)
     assert torch.equal(u[0], hashed_uniform(torch.tensor([1]), torch.tensor([0]), 50_000)[0])
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert 0.0 < float(u.min()) and float(u.max()) < 1.0
@@ -137,7 +168,6 @@ def test_hashed_uniform_is_a_function_of_seed_and_counter():
 
 
 def test_per_row_filters_match_the_single_row_filter():
-    from megatron.inference.sampling import filter_logits
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
     got = filter_rows(logits, torch.tensor([5, 0, 3]), torch.tensor([1.0, 0.7, 0.5]))
     for row, (k, p) in enumerate([(5, 1.0), (0, 0.7), (3, 0.5)]):
