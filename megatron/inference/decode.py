@@ -261,6 +261,7 @@ class FusedDecoder:
             gemm = "torch"
         self.gemm = gemm
         self.plans = {}  # batch bucket -> (qkv, dense, h->4h, 4h->h, LM head) plans (None: torch)
+        self.gemm_times = {}  # (batch bucket, GEMM) -> {"torch" or a plan's name: seconds per call}, gemm="auto"
         self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
         self.compile_mode = compile_mode
         self.gemv = False
@@ -293,12 +294,16 @@ class FusedDecoder:
                           for w in (self.pre[0][2], self.post[0][0], self.post[0][4], self.post[0][6], self.emb))
         else:
             from megatron.inference.skinny_gemm import choose_plan
-            pre, post = self.pre, self.post
-            plans = (choose_plan(batch, [p[2] for p in pre], [p[3] for p in pre], label="qkv")[0],
-                     choose_plan(batch, [p[0] for p in post], [p[1] for p in post], residual=True, label="dense")[0],
-                     choose_plan(batch, [p[4] for p in post], [p[5] for p in post], gelu=True, label="h->4h")[0],
-                     choose_plan(batch, [p[6] for p in post], [p[7] for p in post], residual=True, label="4h->h")[0],
-                     choose_plan(batch, [self.emb], [None], label="LM head")[0])
+            pre, post, chosen = self.pre, self.post, []
+            for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre], {}),
+                                         ("dense", [p[0] for p in post], [p[1] for p in post], {"residual": True}),
+                                         ("h->4h", [p[4] for p in post], [p[5] for p in post], {"gelu": True}),
+                                         ("4h->h", [p[6] for p in post], [p[7] for p in post], {"residual": True}),
+                                         ("LM head", [self.emb], [None], {})):
+                plan, seconds = choose_plan(batch, ws, bs, label=label, **flags)
+                chosen.append(plan)
+                self.gemm_times[(batch, label)] = seconds
+            plans = tuple(chosen)
         self.plans[batch] = plans
         return plans
 
