@@ -334,7 +334,7 @@ def profile_decode(engine, prompts, label, steps=32, top=15):
              - timed(lambda: engine.generate(prompts, first), device) for _ in range(3)]
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         engine.generate(prompts, params, steps_per_sync=steps)
-        torch.cuda.synchronize()
+        sync(device)
     averages = prof.key_averages()
 
     def device_us(event):  # the kernels' own time (torch renamed cuda_* to device_*)
@@ -342,7 +342,9 @@ def profile_decode(engine, prompts, label, steps=32, top=15):
             if hasattr(event, name):
                 return float(getattr(event, name))
         return 0.0
-    kernels = sorted((e for e in averages if device_us(e) > 0), key=device_us, reverse=True)
+    from torch.autograd import DeviceType
+    kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
+    kernels = sorted(kernels or [e for e in averages if device_us(e) > 0], key=device_us, reverse=True)  # the kernels themselves (not the ops that launch them)
     total_us = sum(device_us(e) for e in kernels)
     result = {"path": label, "batch": len(prompts), "steps": steps,
               "decode_wall_ms_per_step": min(walls) * 1e3 / steps,
