@@ -343,8 +343,9 @@ def profile_decode(engine, prompts, label, steps=32, top=15):
                 return float(getattr(event, name))
         return 0.0
     from torch.autograd import DeviceType
+    # the kernels themselves, not the ops that launch them (whose device time would count them twice)
     kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
-    kernels = sorted(kernels or [e for e in averages if device_us(e) > 0], key=device_us, reverse=True)  # the kernels themselves (not the ops that launch them)
+    kernels = sorted(kernels or [e for e in averages if device_us(e) > 0], key=device_us, reverse=True)
     total_us = sum(device_us(e) for e in kernels)
     result = {"path": label, "batch": len(prompts), "steps": steps,
               "decode_wall_ms_per_step": min(walls) * 1e3 / steps,

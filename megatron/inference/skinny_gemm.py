@@ -58,8 +58,9 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
                              y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED, BLOCK_M=bm, BLOCK_N=block_n,
                              BLOCK_K=block_k, SPLIT_K=split_k, **flags)
     if split_k > 1:
-        splitk_epilogue_kernel[(triton_cdiv(n, 256), m)](part, b, r, y, m, n, r.stride(0), y.stride(0),
-                                                        SPLIT_K=split_k, BLOCK_N=256, **flags)
+        splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
+                                                                         SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
+                                                                         **flags)
     return y
 
 

@@ -58,13 +58,13 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N, K, str
 
 @triton.jit
 def splitk_epilogue_kernel(part_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, HAS_BIAS: tl.constexpr,
-                           GELU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(1)
+                           GELU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    m = row + tl.arange(0, 1)
-    mask = n_mask[None, :]
-    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    mask = (m < M)[:, None] & n_mask[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(SPLIT_K):  # in order: the sum does not depend on timing
         acc += tl.load(part_ptr + (s * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0)
     acc = _epilogue(acc, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS, GELU, RESIDUAL)
