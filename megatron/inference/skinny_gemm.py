@@ -52,11 +52,14 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     b = bias if bias is not None else y  # a pointer the kernel never reads
     r = residual if residual is not None else y
     bm = block_m(m)
+    # software-pipelined stages of the x and W tiles, within ~160 KB of shared memory (fp32 tiles are twice as big)
+    stage_bytes = (bm + block_n) * block_k * (4 if x.dtype == torch.float32 or _INTERPRETED else x.element_size())
+    stages = max(1, min(3, (160 << 10) // stage_bytes))
     flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
     grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, bm))
     skinny_gemm_kernel[grid](x, weight, b, r, y, part, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
                              y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED, BLOCK_M=bm, BLOCK_N=block_n,
-                             BLOCK_K=block_k, SPLIT_K=split_k, **flags)
+                             BLOCK_K=block_k, SPLIT_K=split_k, num_stages=stages, **flags)
     if split_k > 1:
         splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
                                                                          SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
