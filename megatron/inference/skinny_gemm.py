@@ -95,11 +95,11 @@ def linear(x, weight, bias=None, plan=None, gelu=False, residual=None):
 
 
 def candidates(rows, n, k, sms):
-    """Plans to time for an (rows, K) x (N, K)^T GEMM: three tile shapes, each with split-K until a launch has
-    about two programs per SM (keeping at least two blocks of K per split)."""
+    """Plans to time for an (rows, K) x (N, K)^T GEMM: two tile shapes (rows of W read 256 and 512 bytes at a time
+    in bf16), each with split-K until a launch has about two programs per SM (at least two blocks of K a split)."""
     del rows  # the tile over rows follows the bucket (block_m); the weight's tiling is what matters
     out = []
-    for block_n, block_k in ((64, 128), (32, 256), (128, 64)):
+    for block_n, block_k in ((64, 128), (32, 256)):
         tiles, split = triton_cdiv(n, block_n), 1
         while tiles * split < 2 * sms and k // (2 * split) >= 2 * block_k:
             split *= 2

@@ -110,10 +110,10 @@ def test_compiled_step_does_not_recompile_across_lengths():
 
 # ---- round 2: the whole step in one graph, the skinny GEMM kernel ------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 8), (torch.bfloat16, 1), (torch.bfloat16, 64)])
 def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
-    """The 1.72B model's decode GEMMs (N x K), each epilogue, every candidate plan, against fp32 torch."""
+    """The 1.72B model's decode GEMMs (N x K) with their epilogues against fp32 torch: the first candidate plan at
+    each shape, every candidate at the dense shape (split-K 8 and 4)."""
     from megatron.inference.skinny_gemm import candidates, skinny_linear_triton
     gen = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -127,7 +127,8 @@ def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
         want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         want = torch.nn.functional.gelu(want, approximate="tanh") if gelu else want
         want = want if r is None else want + r.float()
-        for plan in candidates(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count):
+        plans = candidates(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        for plan in plans if (n, k) == (2048, 2048) else plans[:1]:
             got = skinny_linear_triton(x, w, b, r, gelu, *plan)
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=lambda m: f"{n}x{k} {plan}: {m}")
 
@@ -137,7 +138,7 @@ def test_choose_plan_times_torch_and_every_candidate():
     ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     bs = [torch.randn(2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     plan, seconds = choose_plan(1, ws, bs, residual=True, label="test")
-    assert len(seconds) == 4 and "torch" in seconds and all(0 < s < 1e-2 for s in seconds.values()), seconds
+    assert len(seconds) == 3 and "torch" in seconds and all(0 < s < 1e-2 for s in seconds.values()), seconds
     best = min(seconds, key=seconds.get)
     assert (plan is None) == (best == "torch") and (plan is None or best == "triton {}x{} split {}".format(*plan))
 

@@ -87,10 +87,11 @@ def test_fused_step_on_the_kernel_gives_torchs_tokens_under_the_interpreter():
 def test_candidate_plans_split_k_to_about_two_programs_per_sm():
     from megatron.inference.skinny_gemm import candidates
     # (block_n, block_k, split): tiles x split reaches 2 x 132 programs unless a split would hold < 2 blocks of K
-    assert candidates(1, 6144, 2048, 132) == [(64, 128, 4), (32, 256, 2), (128, 64, 8)]
-    assert candidates(1, 2048, 2048, 132) == [(64, 128, 8), (32, 256, 4), (128, 64, 16)]
-    assert candidates(64, 2048, 8192, 132) == [(64, 128, 16), (32, 256, 8), (128, 64, 32)]
-    assert candidates(8, 250880, 2048, 132) == [(64, 128, 1), (32, 256, 1), (128, 64, 1)]
+    assert candidates(1, 6144, 2048, 132) == [(64, 128, 4), (32, 256, 2)]
+    assert candidates(1, 2048, 2048, 132) == [(64, 128, 8), (32, 256, 4)]
+    assert candidates(64, 2048, 8192, 132) == [(64, 128, 16), (32, 256, 8)]
+    assert candidates(8, 250880, 2048, 132) == [(64, 128, 1), (32, 256, 1)]
+    assert candidates(1, 256, 256, 132) == [(64, 128, 1), (32, 256, 1)]  # K too short to split
 
 
 def test_bad_gemm_choices_are_named():
