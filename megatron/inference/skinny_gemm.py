@@ -58,7 +58,8 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
     grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, bm))
     skinny_gemm_kernel[grid](x, weight, b, r, y, part, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
-                             y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED, BLOCK_M=bm, BLOCK_N=block_n,
+                             y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED,
+                             EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n,
                              BLOCK_K=block_k, SPLIT_K=split_k, num_stages=stages, **flags)
     if split_k > 1:
         splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),

@@ -28,8 +28,8 @@ def _epilogue(acc, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS: tl.con
 @triton.jit
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                        stride_ym, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
-                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+                       IEEE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -42,8 +42,14 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N, K, str
     for start in range(first, tl.minimum(first + chunk, K), BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         k_mask = k < K
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if EVEN:  # N a multiple of BLOCK_N, K of SPLIT_K * BLOCK_K: W unmasked (wide loads), x masked by row only
+            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :])
+        else:
+            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
         if IEEE:  # fp32 inputs (or upcast ones): full fp32 products, as torch's matmul without TF32
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
