@@ -19,6 +19,10 @@ Rows are indirect: row b of the step decodes cache slot slots[b], so the engine 
 the first n rows (the batch bucket follows the number of running rows, not the highest slot in use); padding
 rows of a bucket point at a scratch slot nobody owns. All shapes are fixed per batch bucket (the kernel's loop
 bound is read from the device), so one CUDA graph per bucket serves every length, with or without compile.
+
+gemm="triton"/"auto": the segments' GEMMs may run megatron/inference/skinny_gemm.py's split-K kernel instead of
+torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue); a plan per GEMM
+and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul timed faster.
 """
 import logging
 
