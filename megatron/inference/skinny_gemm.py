@@ -40,8 +40,20 @@ def block_m(rows):
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_n=64, block_k=128, split_k=1):
-    """The kernel: x (M, K) contiguous rows, weight (N, K), bias (N,), residual (M, N) -> (M, N) in x's dtype."""
+_LOCKS = {}  # device -> int32 arrival counters of the split-K tiles (all 0 between launches)
+_MAX_TILES = 1 << 16
+
+
+def _locks(device):
+    if device not in _LOCKS:  # allocated at a first (warm-up) call, outside any graph capture
+        _LOCKS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _LOCKS[device]
+
+
+def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_n=64, block_k=128, split_k=1,
+                         last_reduces=False):
+    """The kernel: x (M, K) contiguous rows, weight (N, K), bias (N,), residual (M, N) -> (M, N) in x's dtype.
+    last_reduces (split_k > 1): the last split of each tile sums the splits (one launch), else a second kernel."""
     from megatron.inference.triton_gemm import skinny_gemm_kernel, splitk_epilogue_kernel
     m, k = x.shape
     n = weight.shape[0]
@@ -57,11 +69,15 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     stages = max(1, min(3, (160 << 10) // stage_bytes))
     flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
     grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, bm))
-    skinny_gemm_kernel[grid](x, weight, b, r, y, part, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
+    last_reduces = bool(last_reduces) and split_k > 1
+    locks = _locks(x.device) if last_reduces else y
+    assert grid[0] * grid[2] <= _MAX_TILES, grid
+    skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
                              y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED,
                              EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n,
-                             BLOCK_K=block_k, SPLIT_K=split_k, num_stages=stages, **flags)
-    if split_k > 1:
+                             BLOCK_K=block_k, SPLIT_K=split_k, LAST_REDUCES=last_reduces, num_stages=stages,
+                             **flags)
+    if split_k > 1 and not last_reduces:
         splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
                                                                          SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
                                                                          **flags)
@@ -75,13 +91,13 @@ def triton_cdiv(a, b):
 @torch.library.custom_op("megatron::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      residual: Optional[torch.Tensor], gelu: bool, block_n: int, block_k: int,
-                     split_k: int) -> torch.Tensor:
-    return skinny_linear_triton(x.contiguous(), weight, bias,
-                                None if residual is None else residual.contiguous(), gelu, block_n, block_k, split_k)
+                     split_k: int, last_reduces: bool) -> torch.Tensor:
+    return skinny_linear_triton(x.contiguous(), weight, bias, None if residual is None else residual.contiguous(),
+                                gelu, block_n, block_k, split_k, last_reduces)
 
 
 @skinny_linear_op.register_fake
-def _skinny_linear_fake(x, weight, bias, residual, gelu, block_n, block_k, split_k):
+def _skinny_linear_fake(x, weight, bias, residual, gelu, block_n, block_k, split_k, last_reduces):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -96,16 +112,26 @@ def linear(x, weight, bias=None, plan=None, gelu=False, residual=None):
 
 
 def candidates(rows, n, k, sms):
-    """Plans to time for an (rows, K) x (N, K)^T GEMM: two tile shapes (rows of W read 256 and 512 bytes at a time
-    in bf16), each with split-K until a launch has about two programs per SM (at least two blocks of K a split)."""
+    """Plans (block_n, block_k, split_k, last_reduces) to time for an (rows, K) x (N, K)^T GEMM: two tile shapes
+    (rows of W read 256 and 512 bytes at a time in bf16), each with split-K until a launch has about two programs
+    per SM (at least two blocks of K a split) and the splits summed in the kernel; the first tile shape also with
+    the sums in a second kernel."""
     del rows  # the tile over rows follows the bucket (block_m); the weight's tiling is what matters
     out = []
     for block_n, block_k in ((64, 128), (32, 256)):
         tiles, split = triton_cdiv(n, block_n), 1
         while tiles * split < 2 * sms and k // (2 * split) >= 2 * block_k:
             split *= 2
-        out.append((block_n, block_k, split))
+        out.append((block_n, block_k, split, split > 1))
+    if out[0][2] > 1:
+        out.append(out[0][:3] + (False,))
     return out
+
+
+def plan_name(plan):
+    if plan is None:
+        return "torch"
+    return "triton {}x{} split {}".format(*plan[:3]) + (" in-kernel sum" if plan[3] else "")
 
 
 def _graph_time(fn, replays=3):
@@ -128,9 +154,10 @@ def _graph_time(fn, replays=3):
     return best
 
 
-def choose_plan(rows, weights, biases, gelu=False, residual=False, label=""):
+def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms=None, timer=None):
     """The fastest of torch and the candidate plans for `rows` rows over `weights` (a list of same-shape (N, K)
-    tensors, e.g. every layer's), timed in a CUDA graph; returns (plan or None, {name: seconds per call})."""
+    tensors, e.g. every layer's), timed in a CUDA graph (timer(fn) -> seconds of fn(), for tests); a plan that
+    fails or disagrees with torch is dropped. Returns (plan or None, {name: seconds per call})."""
     n, k = weights[0].shape
     device, dtype = weights[0].device, weights[0].dtype
     x = torch.randn(rows, k, device=device, dtype=dtype)
@@ -141,13 +168,20 @@ def choose_plan(rows, weights, biases, gelu=False, residual=False, label=""):
             for w, b in zip(weights, biases):
                 linear(x, w, b, plan, gelu, r)
         return fn
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
+    timer = timer or _graph_time
+    want = linear(x, weights[0], biases[0], None, gelu, r).float()
+    tol = (1e-3 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
     times = {}
     for plan in [None] + candidates(rows, n, k, sms):
-        name = "torch" if plan is None else "triton {}x{} split {}".format(*plan)
+        name = plan_name(plan)
         try:
-            times[name] = _graph_time(run(plan)) / len(weights)
-        except Exception as err:  # noqa: BLE001  a candidate that fails to compile or capture is not chosen
+            if plan is not None:  # a plan must agree with torch before it is timed
+                error = float((linear(x, weights[0], biases[0], plan, gelu, r).float() - want).abs().max())
+                if not error <= tol:
+                    raise RuntimeError(f"max error {error:.3g} against torch (tolerance {tol:.3g})")
+            times[name] = timer(run(plan)) / len(weights)
+        except Exception as err:  # noqa: BLE001  a candidate that fails to compile, agree or capture is not chosen
             logger.warning(f"inference: GEMM {label} {name} failed ({type(err).__name__}: "
                            f"{str(err).splitlines()[0][:160] if str(err) else ''}); not a candidate")
             continue

@@ -4,7 +4,11 @@ skinny_gemm_kernel: y = epilogue(x W^T) for a few rows x (M, K) and a weight W (
 one program per (BLOCK_N output columns, split of K, BLOCK_M rows): the program streams its BLOCK_N x K/SPLIT_K
 slice of W once and accumulates in fp32. With SPLIT_K == 1 it applies the epilogue itself:
     y = [residual +] [gelu_tanh](acc + bias)        (one rounding to y's dtype, at the end)
-with SPLIT_K > 1 it stores its fp32 partial sum and splitk_epilogue_kernel sums the splits and applies it.
+with SPLIT_K > 1 it stores its fp32 partial sum, and either splitk_epilogue_kernel sums the splits and applies
+it (a second launch) or, with LAST_REDUCES, the tile's last split to finish does (an arrival counter per tile,
+taken with an acquire-release atomic after a block barrier, and reset to 0 by that program, so the counters are
+all 0 between launches); either way the splits are summed in order 0..SPLIT_K-1, so the result does not depend
+on which program finishes last.
 IEEE: fp32 products (fp32 inputs; bf16/fp16 ones under Triton's interpreter, whose dot does not take 16-bit
 floats: their products are exact in fp32 either way, so only the order of the fp32 sums differs from the GPU's).
 """
@@ -26,10 +30,10 @@ def _epilogue(acc, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS: tl.con
 
 
 @triton.jit
-def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                       stride_ym, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
+def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_rm, stride_ym, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
                        IEEE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_REDUCES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -60,6 +64,18 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, M, N, K, str
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # part: (SPLIT_K, M, N) fp32
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+        if LAST_REDUCES:
+            tile = pid_m * tl.num_programs(0) + pid_n
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the other splits' partials are visible (acquire; loads bypass L1)
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    total += tl.load(part_ptr + (s * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                total = _epilogue(total, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS, GELU, RESIDUAL)
+                tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + tile, 0)
 
 
 @triton.jit

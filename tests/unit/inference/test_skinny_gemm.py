@@ -11,6 +11,7 @@ import pytest
 _GEMM_CHECK = """
 import torch
 import torch.nn.functional as F
+from megatron.inference import skinny_gemm
 from megatron.inference.skinny_gemm import linear, skinny_linear_triton
 
 gen = torch.Generator().manual_seed(0)
@@ -29,9 +30,26 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
             got = skinny_linear_triton(x, w, bias, res, gelu, block_n, block_k, split)
             assert got.dtype == dtype and got.shape == (m, n)
             torch.testing.assert_close(got.float(), want(x, w, bias, gelu, res), rtol=tol, atol=tol)
-            assert torch.equal(torch.ops.megatron.skinny_linear(x, w, bias, res, gelu, block_n, block_k, split), got)
+            for last in (False, True):  # the splits summed by a second kernel or by each tile's last split
+                assert torch.equal(torch.ops.megatron.skinny_linear(x, w, bias, res, gelu, block_n, block_k, split,
+                                                                    last), got)
+            assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[x.device].any()  # the counters back at 0
             torch.testing.assert_close(got.float(), linear(x, w, bias, None, gelu, res).float(), rtol=2 * tol,
                                        atol=2 * tol)
+# choose_plan: torch and each plan timed (a stand-in clock), a plan that disagrees with torch dropped untimed
+x = torch.randn(2, 512, generator=gen)
+ws, bs = [torch.randn(64, 512, generator=gen) / 20 for _ in range(2)], [torch.randn(64, generator=gen)] * 2
+real = skinny_gemm.skinny_linear_triton
+def broken(*args):  # the splits summed in the kernel come out wrong
+    y = real(*args)
+    return y + 1 if args[-1] else y
+skinny_gemm.skinny_linear_triton = broken
+clock = [6e-6, 4e-6, 2e-6]  # torch, (32, 256, 1, False), (64, 128, 2, False)
+plan, seconds = skinny_gemm.choose_plan(2, ws, bs, gelu=True, sms=4, timer=lambda fn: fn() or clock.pop(0))
+assert skinny_gemm.candidates(2, 64, 512, 4) == [(64, 128, 2, True), (32, 256, 1, False), (64, 128, 2, False)]
+assert plan == (64, 128, 2, False) and not clock, (plan, clock)
+assert seconds == {"torch": 3e-6, "triton 32x256 split 1": 2e-6, "triton 64x128 split 2": 1e-6}, seconds
+skinny_gemm.skinny_linear_triton = real
 print("gemm ok")
 """
 
@@ -86,12 +104,13 @@ def test_fused_step_on_the_kernel_gives_torchs_tokens_under_the_interpreter():
 
 def test_candidate_plans_split_k_to_about_two_programs_per_sm():
     from megatron.inference.skinny_gemm import candidates
-    # (block_n, block_k, split): tiles x split reaches 2 x 132 programs unless a split would hold < 2 blocks of K
-    assert candidates(1, 6144, 2048, 132) == [(64, 128, 4), (32, 256, 2)]
-    assert candidates(1, 2048, 2048, 132) == [(64, 128, 8), (32, 256, 4)]
-    assert candidates(64, 2048, 8192, 132) == [(64, 128, 16), (32, 256, 8)]
-    assert candidates(8, 250880, 2048, 132) == [(64, 128, 1), (32, 256, 1)]
-    assert candidates(1, 256, 256, 132) == [(64, 128, 1), (32, 256, 1)]  # K too short to split
+    # (block_n, block_k, split, summed in the kernel): tiles x split reaches 2 x 132 programs unless a split
+    # would hold < 2 blocks of K; a split first tiling is also timed with the sums in a second kernel
+    assert candidates(1, 6144, 2048, 132) == [(64, 128, 4, True), (32, 256, 2, True), (64, 128, 4, False)]
+    assert candidates(1, 2048, 2048, 132) == [(64, 128, 8, True), (32, 256, 4, True), (64, 128, 8, False)]
+    assert candidates(64, 2048, 8192, 132) == [(64, 128, 16, True), (32, 256, 8, True), (64, 128, 16, False)]
+    assert candidates(8, 250880, 2048, 132) == [(64, 128, 1, False), (32, 256, 1, False)]
+    assert candidates(1, 256, 256, 132) == [(64, 128, 1, False), (32, 256, 1, False)]  # K too short to split
 
 
 def test_bad_gemm_choices_are_named():
