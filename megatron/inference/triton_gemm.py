@@ -29,7 +29,7 @@ def _epilogue(acc, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS: tl.con
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compilation for every row count of a BLOCK_M
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn,
                        stride_rm, stride_ym, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
                        IEEE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -78,7 +78,7 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, M,
                 tl.atomic_xchg(lock_ptr + tile, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compilation for every row count of a BLOCK_M
 def splitk_epilogue_kernel(part_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, HAS_BIAS: tl.constexpr,
                            GELU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr):
