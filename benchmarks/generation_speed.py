@@ -10,8 +10,8 @@ Paths (InferenceEngine.generate, tools/generate_text.py's path): unfused = the m
 length, packed rows) in CUDA graphs; compiled = the same with torch.compile (mode default); autotune = mode
 max-autotune-no-cudagraphs; round 2's changes on top of compiled, each switchable: step = the whole step (state
 update included) in the CUDA graph (graph_step=True), gemm = the skinny Triton GEMMs where timed faster
-(gemm="auto"), step_gemm = both. --profile: the top CUDA kernels of 32 decode steps and the decode ms/step
-(wall: generate of 33 tokens minus generate of 1, without the profiler) for --profile-paths at
+(gemm="auto"), step_gemm = both. --profile: the top CUDA kernels of 32 decode steps and the wall ms per decode
+step (one engine.step of 32 steps after the prefill, without the profiler) for --profile-paths at
 --profile-batches, into the log and the JSON. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
 at --hf-static-batch-sizes, HF's default generate at the others; if static raises, HF's default generate from
 then on, and the row says so (mode and note in the JSON); `default` = HF's default generate everywhere.
@@ -322,19 +322,30 @@ def main(argv=None):
 
 def profile_decode(engine, prompts, label, steps=32, top=15):
     """Top CUDA kernels over `steps` decode steps (after a warm-up generation), printed and returned with the
-    decode wall time per step measured without the profiler (generate of steps + 1 tokens minus generate of 1)."""
+    wall time per decode step measured without the profiler (one engine.step(steps) after the prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron.inference import SamplingParams
 
-    params, first = SamplingParams(greedy=True, max_new_tokens=steps + 1), SamplingParams(greedy=True, max_new_tokens=1)
-    device = engine.device
+    params, device = SamplingParams(greedy=True, max_new_tokens=steps + 1), engine.device
     engine.generate(prompts, params)
-    walls = [timed(lambda: engine.generate(prompts, params, steps_per_sync=steps), device)
-             - timed(lambda: engine.generate(prompts, first), device) for _ in range(3)]
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        engine.generate(prompts, params, steps_per_sync=steps)
+
+    def decode(run):  # admits and prefills (a step of no decode steps), then `steps` decode steps in one call
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step(num_steps=0)
         sync(device)
+        seconds = run(lambda: engine.step(num_steps=steps))
+        assert not engine.has_work(), "every row finishes at the last of the steps"
+        return seconds
+    wall = min(decode(lambda fn: timed(fn, device)) for _ in range(3))
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+
+    def profiled(fn):  # the decode steps only, not the prefill
+        with prof:
+            fn()
+            sync(device)
+    decode(profiled)
     averages = prof.key_averages()
 
     def device_us(event):  # the kernels' own time (torch renamed cuda_* to device_*)
@@ -347,13 +358,11 @@ def profile_decode(engine, prompts, label, steps=32, top=15):
     kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
     kernels = sorted(kernels or [e for e in averages if device_us(e) > 0], key=device_us, reverse=True)
     total_us = sum(device_us(e) for e in kernels)
-    result = {"path": label, "batch": len(prompts), "steps": steps,
-              "decode_wall_ms_per_step": min(walls) * 1e3 / steps,
-              "device_ms_per_step_incl_prefill": total_us / 1e3 / steps,
+    result = {"path": label, "batch": len(prompts), "steps": steps, "decode_wall_ms_per_step": wall * 1e3 / steps,
+              "device_ms_per_step": total_us / 1e3 / steps,
               "top": [{"name": e.key[:120], "calls": e.count, "total_us": device_us(e)} for e in kernels[:top]]}
     print(f"-- {label}, batch {len(prompts)}: {steps} decode steps: wall {result['decode_wall_ms_per_step']:.3f} ms "
-          f"per step (no profiler); device time {result['device_ms_per_step_incl_prefill']:.3f} ms per step "
-          "(the profiled generate, prefill included)")
+          f"per step (no profiler); kernels {result['device_ms_per_step']:.3f} ms per step (profiled)")
     for k in result["top"]:
         print(f"   {k['total_us'] / 1e3:9.3f} ms {k['calls']:6d} calls {k['total_us'] / max(k['calls'], 1):8.1f} us  "
               f"{k['name']}")
