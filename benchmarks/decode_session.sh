@@ -4,7 +4,7 @@
 # compiled = round 1's fused step under torch.compile, step = + the whole step in the CUDA graph, step_gemm = + the
 # skinny Triton GEMMs where timed faster) against HF generate (static cache + compile at batch 1 and 8, default
 # generate at 32 and 64), rows equal to HF at 1 and 8, and the profiles of step_gemm at batch 1 and 64.
-# Each part is time-bounded (160 + 255 s); logs and JSON go to $OUT (the JSON is rewritten as each path and batch
+# Each part is time-bounded (160 + 255 s; the tests get SIGINT, so pytest still prints its summary); logs and JSON go to $OUT (the JSON is rewritten as each path and batch
 # size completes, so a part cut short keeps what it measured; the log says which rows are missing).
 # Optional parts: autotune (max-autotune-no-cudagraphs at 1 and 64), gemm (the GEMMs without the whole-step graph).
 # Usage, from the repository root after DeepSpeed's install:
@@ -18,7 +18,7 @@ for part in ${*:-tests ab}; do
   start=$(date +%s)
   case $part in
     tests)
-      timeout 160 python3 -m pytest -q -rA -p no:cacheprovider -s tests/gpu/test_decode_graph_gemm.py \
+      timeout -s INT -k 15 160 python3 -m pytest -q -rA -p no:cacheprovider -s tests/gpu/test_decode_graph_gemm.py \
         tests/gpu/test_fused_decode.py > "$OUT/decode_gpu_tests.log" 2>&1
       grep -E "bf16 vs HF|passed|failed|Error" "$OUT/decode_gpu_tests.log" | tail -25 ;;
     ab)
