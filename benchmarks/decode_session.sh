@@ -4,8 +4,8 @@
 # compiled = round 1's fused step under torch.compile, step = + the whole step in the CUDA graph, step_gemm = + the
 # skinny Triton GEMMs where timed faster) against HF generate (static cache + compile at batch 1 and 8, default
 # generate at 32 and 64), rows equal to HF at 1 and 8, and the profiles of step_gemm at batch 1 and 64.
-# Each part is time-bounded (160 + 255 s; the tests get SIGINT, so pytest still prints its summary); logs and JSON go to $OUT (the JSON is rewritten as each path and batch
-# size completes, so a part cut short keeps what it measured; the log says which rows are missing).
+# Each part is time-bounded (160 + 255 s; the tests get SIGINT, so pytest still prints its summary); logs and JSON
+# go to $OUT (the JSON is rewritten as each path and batch size completes: a part cut short keeps what it measured).
 # Optional parts: autotune (max-autotune-no-cudagraphs at 1 and 64), gemm (the GEMMs without the whole-step graph).
 # Usage, from the repository root after DeepSpeed's install:
 #   bash benchmarks/decode_session.sh [parts...]    (default: tests ab)
