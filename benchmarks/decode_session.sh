@@ -26,7 +26,7 @@ for part in ${*:-tests ab}; do
         --paths unfused compiled step step_gemm --hf static --repeats 2 --hf-repeats 1 --prefill-len 0 \
         --profile --profile-paths step_gemm --profile-batches 1 64 --output "$OUT/decode_ab.json" \
         > "$OUT/decode_ab.log" 2>&1
-      grep -v "^\[W" "$OUT/decode_ab.log" | grep -v "^ *$" | tail -80 ;;
+      grep -v "^\[W" "$OUT/decode_ab.log" | grep -v "^ *$" | tail -120 ;;
     gemm)
       timeout 200 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths compiled gemm \
         --hf none --repeats 2 --prefill-len 0 --output "$OUT/decode_gemm.json" > "$OUT/decode_gemm.log" 2>&1
