@@ -106,4 +106,3 @@ def test_compiled_step_does_not_recompile_across_lengths():
     for length in range(33, 301, 37):
         eng.generate([list(range(5, 5 + length))], params)
     assert dict(counters["stats"]) == before
-
