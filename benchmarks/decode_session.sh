@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
-# One GPU-machine call for issue 25's fused decode step: its GPU tests, then generation speed of our decode paths
-# (unfused = the engine before, fused = decode.py eager, compiled = torch.compile default) against HF generate
-# (static cache + compile at batch 1 and 8, default generate at 32 and 64) at batch 1/8/32/64 on the 1.72B model
-# in bf16, then (part "autotune", its own call) the max-autotune-no-cudagraphs path at batch 1 and 64 (with unfused).
-# Each part is time-bounded; logs and JSON go to $OUT. Usage, from the repository root after DeepSpeed's install:
-#   bash benchmarks/decode_session.sh [parts...]    (default: generation tests; autotune is a third, separate call)
+# One GPU-machine call for issue 25's decode step (round 2), at most ~7 minutes: the decode GPU tests, then the A/B
+# of our decode paths at batch 1/64/8/32 on the 1.72B model in bf16 (unfused = the engine before issue 25,
+# compiled = round 1's fused step under torch.compile, step = + the whole step in the CUDA graph, step_gemm = + the
+# skinny Triton GEMMs where timed faster) against HF generate (static cache + compile at batch 1 and 8, default
+# generate at 32 and 64), rows equal to HF at 1 and 8, and the profiles of step_gemm at batch 1 and 64.
+# Each part is time-bounded (160 + 255 s; the tests get SIGINT, so pytest still prints its summary); logs and JSON
+# go to $OUT (the JSON is rewritten as each path and batch size completes: a part cut short keeps what it measured).
+# Optional parts: autotune (max-autotune-no-cudagraphs at 1 and 64), gemm (the GEMMs without the whole-step graph).
+# Usage, from the repository root after DeepSpeed's install:
+#   bash benchmarks/decode_session.sh [parts...]    (default: tests ab)
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-for part in ${*:-generation tests}; do
+for part in ${*:-tests ab}; do
   start=$(date +%s)
   case $part in
     tests)
-      timeout 150 python3 -m pytest -q -rA -p no:cacheprovider -s tests/gpu/test_fused_decode.py tests/gpu/test_inference.py \
-        > "$OUT/decode_gpu_tests.log" 2>&1
-      grep -E "bf16 vs HF|passed|failed|Error" "$OUT/decode_gpu_tests.log" | tail -15 ;;
-    generation)
-      timeout 360 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 8 32 64 \
-        --paths unfused fused compiled --hf static --repeats 2 --hf-repeats 1 --prefill-len 0 --output "$OUT/decode_generation.json" \
-        > "$OUT/decode_generation.log" 2>&1
-      grep -v "^\[W" "$OUT/decode_generation.log" | grep -v "^ *$" | tail -40 ;;
+      timeout -s INT -k 15 160 python3 -m pytest -q -rA -p no:cacheprovider -s tests/gpu/test_decode_graph_gemm.py \
+        tests/gpu/test_fused_decode.py > "$OUT/decode_gpu_tests.log" 2>&1
+      grep -E "bf16 vs HF|passed|failed|Error" "$OUT/decode_gpu_tests.log" | tail -25 ;;
+    ab)
+      timeout 255 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 8 32 \
+        --paths unfused compiled step step_gemm --hf static --repeats 2 --hf-repeats 1 --prefill-len 0 \
+        --profile --profile-paths step_gemm --profile-batches 1 64 --output "$OUT/decode_ab.json" \
+        > "$OUT/decode_ab.log" 2>&1
+      grep -v "^\[W" "$OUT/decode_ab.log" | grep -v "^ *$" | tail -120 ;;
+    gemm)
+      timeout 200 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths compiled gemm \
+        --hf none --repeats 2 --prefill-len 0 --output "$OUT/decode_gemm.json" > "$OUT/decode_gemm.log" 2>&1
+      grep -v "^\[W" "$OUT/decode_gemm.log" | grep -v "^ *$" | tail -20 ;;
     autotune)
       timeout 300 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths unfused autotune --hf none \
         --repeats 2 --prefill-len 0 --output "$OUT/decode_autotune.json" > "$OUT/decode_autotune.log" 2>&1

@@ -2,13 +2,17 @@
 
     python benchmarks/generation_speed.py --device cuda            # the document's 1.72B model in bf16 on a GPU
     python benchmarks/generation_speed.py                          # a small fp32 model on the CPU
-        [--batch-sizes 1 8 32 64 --paths unfused fused compiled autotune --hf static|default|none
+        [--batch-sizes 1 8 32 64 --paths unfused fused compiled step step_gemm ... --hf static|default|none
          --prompt-len 32 --new-tokens 256 --prefill-len 2048 --repeats 3 --output FILE.json]
 
 Paths (InferenceEngine.generate, tools/generate_text.py's path): unfused = the model's own forward over the cache
 (the engine before issue 25); fused = megatron/inference/decode.py eager (Triton attention over each row's own
 length, packed rows) in CUDA graphs; compiled = the same with torch.compile (mode default); autotune = mode
-max-autotune-no-cudagraphs. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
+max-autotune-no-cudagraphs; round 2's changes on top of compiled, each switchable: step = the whole step (state
+update included) in the CUDA graph (graph_step=True), gemm = the skinny Triton GEMMs where timed faster
+(gemm="auto"), step_gemm = both. --profile: the top CUDA kernels of 32 decode steps and the wall ms per decode
+step (one engine.step of 32 steps after the prefill, without the profiler) for --profile-paths at
+--profile-batches, into the log and the JSON. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
 at --hf-static-batch-sizes, HF's default generate at the others; if static raises, HF's default generate from
 then on, and the row says so (mode and note in the JSON); `default` = HF's default generate everywhere.
 
@@ -24,6 +28,7 @@ prompt. The JSON is rewritten after every batch size, so a run cut short keeps w
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
 import sys
@@ -37,7 +42,11 @@ DOCUMENT_MODEL = dict(layers=24, hidden=2048, heads=16, vocab=250880)
 SMALL_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
 PATHS = {"unfused": dict(decode="unfused"), "fused": dict(decode="fused"),
          "compiled": dict(decode="fused", compile_mode="default"),
-         "autotune": dict(decode="fused", compile_mode="max-autotune-no-cudagraphs")}
+         "autotune": dict(decode="fused", compile_mode="max-autotune-no-cudagraphs"),
+         "step": dict(decode="fused", compile_mode="default", graph_step=True),
+         "gemm": dict(decode="fused", compile_mode="default", gemm="auto"),
+         "step_gemm": dict(decode="fused", compile_mode="default", graph_step=True, gemm="auto"),
+         "fused_step_gemm": dict(decode="fused", graph_step=True, gemm="auto")}
 
 
 def parse_args(argv=None):
@@ -69,7 +78,11 @@ def parse_args(argv=None):
     parser.add_argument("--hf-repeats", type=int, default=None, help="HF's timed runs (default: --repeats)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--skip-hf", action="store_true", help="ours only (= --hf none)")
-    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of each path's decode steps")
+    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of the decode steps (cuda)")
+    parser.add_argument("--profile-paths", nargs="+", choices=list(PATHS), default=None,
+                        help="the paths --profile profiles (default: every path run)")
+    parser.add_argument("--profile-batches", type=int, nargs="+", default=None,
+                        help="the batch sizes --profile profiles (default: every batch size)")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -82,6 +95,8 @@ def parse_args(argv=None):
     args.paths = args.paths or (["unfused", "fused", "compiled"] if cuda else ["unfused", "fused"])
     args.hf = "none" if args.skip_hf else (args.hf or ("static" if cuda else "default"))
     args.hf_batch_sizes = args.hf_batch_sizes or args.batch_sizes
+    args.profile_paths = args.profile_paths or args.paths
+    args.profile_batches = args.profile_batches or args.batch_sizes
     args.hf_repeats = args.hf_repeats or args.repeats
     args.prefill_len = (2048 if cuda else 0) if args.prefill_len is None else args.prefill_len
     return args
@@ -159,6 +174,8 @@ def main(argv=None):
     from megatron.inference.parity import compare_rows, describe
 
     args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("megatron.inference.skinny_gemm").setLevel(logging.INFO)  # the GEMM choices, timed
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -178,7 +195,7 @@ def main(argv=None):
           f"{args.dtype}, {name}, torch {torch.__version__}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens, greedy; bound: {args.bandwidth_tbps} TB/s over the weights + each row's keys/values", flush=True)
     report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "args": vars(args),
-              "weight_bytes": weight_bytes, "rows": [], "prefill": None}
+              "weight_bytes": weight_bytes, "rows": [], "prefill": None, "profiles": []}
 
     def save():
         if args.output:
@@ -228,12 +245,18 @@ def main(argv=None):
                 outputs[path] = result["out"]
                 side = {"tokens_per_s": tokens / best, "of_bound": tokens / best / bound, "warmup_s": warm,
                         "peak_gib": peak}
+                decoder = engine.decoder
+                if decoder is not None and decoder.gemm != "torch":  # the GEMM choices and their timings
+                    side["gemm_plans"] = {str(b): list(p) for b, p in decoder.plans.items()}
+                    side["gemm_us"] = {f"{b} {label}": {k: v * 1e6 for k, v in times.items()}
+                                       for (b, label), times in decoder.gemm_times.items()}
                 if path != "unfused" and "unfused" in outputs:
                     side["rows_equal_to_unfused"] = sum(a == b for a, b in zip(outputs[path], outputs["unfused"]))
                 row["sides"][path] = side
                 show(batch, path, side)
-                if args.profile and device.type == "cuda":
-                    profile_decode(engine, prompt_lists, path)
+                if args.profile and device.type == "cuda" and path in args.profile_paths \
+                        and batch in args.profile_batches:
+                    report["profiles"].append(profile_decode(engine, prompt_lists, path))
                 engine = None
                 gc.collect()
                 if device.type == "cuda":
@@ -297,19 +320,53 @@ def main(argv=None):
         save()
 
 
-def profile_decode(engine, prompts, label, steps=32):
-    """Top CUDA kernels over `steps` decode steps (after a warm-up generation)."""
+def profile_decode(engine, prompts, label, steps=32, top=15):
+    """Top CUDA kernels over `steps` decode steps (after a warm-up generation), printed and returned with the
+    wall time per decode step measured without the profiler (one engine.step(steps) after the prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron.inference import SamplingParams
 
-    params = SamplingParams(greedy=True, max_new_tokens=steps + 1)
+    params, device = SamplingParams(greedy=True, max_new_tokens=steps + 1), engine.device
     engine.generate(prompts, params)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        engine.generate(prompts, params, steps_per_sync=steps)
-        torch.cuda.synchronize()
-    print(f"-- {label}, batch {len(prompts)}: {steps} decode steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+    def decode(run):  # admits and prefills (a step of no decode steps), then `steps` decode steps in one call
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step(num_steps=0)
+        sync(device)
+        seconds = run(lambda: engine.step(num_steps=steps))
+        assert not engine.has_work(), "every row finishes at the last of the steps"
+        return seconds
+    wall = min(decode(lambda fn: timed(fn, device)) for _ in range(3))
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+
+    def profiled(fn):  # the decode steps only, not the prefill
+        with prof:
+            fn()
+            sync(device)
+    decode(profiled)
+    averages = prof.key_averages()
+
+    def device_us(event):  # the kernels' own time (torch renamed cuda_* to device_*)
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(event, name):
+                return float(getattr(event, name))
+        return 0.0
+    from torch.autograd import DeviceType
+    # the kernels themselves, not the ops that launch them (whose device time would count them twice)
+    kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
+    kernels = sorted(kernels or [e for e in averages if device_us(e) > 0], key=device_us, reverse=True)
+    total_us = sum(device_us(e) for e in kernels)
+    result = {"path": label, "batch": len(prompts), "steps": steps, "decode_wall_ms_per_step": wall * 1e3 / steps,
+              "device_ms_per_step": total_us / 1e3 / steps,
+              "top": [{"name": e.key[:120], "calls": e.count, "total_us": device_us(e)} for e in kernels[:top]]}
+    print(f"-- {label}, batch {len(prompts)}: {steps} decode steps: wall {result['decode_wall_ms_per_step']:.3f} ms "
+          f"per step (no profiler); kernels {result['device_ms_per_step']:.3f} ms per step (profiled)")
+    for k in result["top"]:
+        print(f"   {k['total_us'] / 1e3:9.3f} ms {k['calls']:6d} calls {k['total_us'] / max(k['calls'], 1):8.1f} us  "
+              f"{k['name']}")
+    return result
 
 
 if __name__ == "__main__":

@@ -19,11 +19,17 @@ Rows are indirect: row b of the step decodes cache slot slots[b], so the engine 
 the first n rows (the batch bucket follows the number of running rows, not the highest slot in use); padding
 rows of a bucket point at a scratch slot nobody owns. All shapes are fixed per batch bucket (the kernel's loop
 bound is read from the device), so one CUDA graph per bucket serves every length, with or without compile.
+
+gemm="triton"/"auto": the segments' GEMMs may run megatron/inference/skinny_gemm.py's split-K kernel instead of
+torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue); a plan per GEMM
+and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul timed faster.
 """
 import logging
 
 import torch
 import torch.nn.functional as F
+
+from megatron.inference.skinny_gemm import MAX_ROWS, linear as skinny_linear
 
 logger = logging.getLogger(__name__)
 
@@ -126,49 +132,61 @@ def _layer_norm(x, weight, bias, eps):
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
-def _linear(x, weight, bias, gemv):
-    """x W^T + b. gemv (under inductor's coordinate-descent tuning): at one row, a matmul and an add, which inductor
-    lowers to one tuned reduction kernel with the bias fused (its mm decomposition for M = 1; addmm has none)."""
+NO_PLANS = (None,) * 5  # every GEMM by torch
+
+
+def _linear(x, weight, bias, gemv, plan=None, gelu=False, residual=None):
+    """[residual +] [gelu](x W^T + b). plan: megatron/inference/skinny_gemm.py's Triton kernel with that plan (the
+    epilogue fused), None: torch. gemv (under inductor's coordinate-descent tuning): at one row, a matmul and an add,
+    which inductor lowers to one tuned reduction kernel with the bias fused (its mm decomposition for M = 1; addmm
+    has none)."""
+    if plan is not None:
+        return skinny_linear(x, weight, bias, plan, gelu, residual)
     if gemv and x.shape[0] == 1:
         y = torch.matmul(x, weight.t())
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+        y = y if bias is None else y + bias
+    else:
+        y = F.linear(x, weight, bias)
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    return y if residual is None else residual + y
 
 
-def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans):
     """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H))."""
     ln = _layer_norm(x, ln_w, ln_b, eps)
-    return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv)
+    return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv, plans[0])
 
 
 def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
-                    gemv):
+                    gemv, plans):
     """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
-    x = residual + _linear(context, dense_w, dense_b, gemv)
+    x = _linear(context, dense_w, dense_b, gemv, plans[1], residual=residual)
     ln = _layer_norm(x, ln_w, ln_b, eps)
     residual = ln if post_ln else x
-    return residual + _linear(F.gelu(_linear(ln, fc1_w, fc1_b, gemv), approximate="tanh"), fc2_w, fc2_b, gemv)
+    return _linear(_linear(ln, fc1_w, fc1_b, gemv, plans[2], gelu=True), fc2_w, fc2_b, gemv, plans[3],
+                   residual=residual)
 
 
-def head_segment(tokens, emb, emb_ln_w, emb_ln_b, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+def head_segment(tokens, emb, emb_ln_w, emb_ln_b, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans=NO_PLANS):
     x = F.embedding(tokens, emb)  # (B, H)
     if emb_ln_w is not None:
         x = _layer_norm(x, emb_ln_w, emb_ln_b, eps)
-    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans)
 
 
 def mid_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
-                ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv):
+                ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans=NO_PLANS):
     x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
-                        gemv)
-    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv)
+                        gemv, plans)
+    return _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans)
 
 
 def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b,
-                 final_w, final_b, emb, eps, post_ln, gemv, vocab_limit):
+                 final_w, final_b, emb, eps, post_ln, gemv, vocab_limit, plans=NO_PLANS):
     x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
-                        gemv)
-    logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv).float()  # (B, V)
+                        gemv, plans)
+    logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv, plans[4]).float()  # (B, V)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_limit, float("-inf"))
@@ -176,6 +194,7 @@ def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b
 
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+GEMMS = ("torch", "triton", "auto")
 
 
 class FusedDecoder:
@@ -187,9 +206,12 @@ class FusedDecoder:
     max-autotune-no-cudagraphs inductor also autotunes the GEMMs (cuBLAS or its Triton templates, for M <= 64) and,
     as gpt-fast does, turns on coordinate-descent tuning (process-wide), under which a one-row GEMM becomes a
     tuned reduction kernel.
+    gemm: "torch" (default), "triton" (skinny_gemm.py's kernel for every GEMM of a bucket <= 64 rows, its first
+    candidate plan) or "auto" (per weight shape and bucket, the kernel's best plan or torch, whichever is faster
+    on the device; timed by prepare(batch), which the engine calls before it captures a bucket).
     """
 
-    def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None):
+    def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None, gemm=None):
         if model.tp_size != 1:
             raise ValueError(f"the fused decode step runs at tensor-parallel size 1 (got {model.tp_size}); "
                              "build the InferenceEngine with decode='unfused'")
@@ -232,6 +254,18 @@ class FusedDecoder:
         if attention == "triton" and not triton_available(device):
             raise ValueError("attention='triton' needs CUDA and the triton package; use attention='torch'")
         self.attention_impl = attention
+        gemm = gemm or "torch"
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm={gemm!r} is not one of {', '.join(GEMMS)}")
+        from megatron.inference.skinny_gemm import triton_gemm_available
+        if gemm == "triton" and not triton_gemm_available(device):
+            raise ValueError("gemm='triton' needs CUDA and the triton package; use gemm='torch' or 'auto'")
+        if gemm == "auto" and not triton_gemm_available(device):
+            logger.info("inference: gemm='auto' without CUDA and triton: torch's GEMMs")
+            gemm = "torch"
+        self.gemm = gemm
+        self.plans = {}  # batch bucket -> (qkv, dense, h->4h, 4h->h, LM head) plans (None: torch)
+        self.gemm_times = {}  # (batch bucket, GEMM) -> {"torch" or a plan's name: seconds per call}, gemm="auto"
         self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
         self.compile_mode = compile_mode
         self.gemv = False
@@ -248,16 +282,45 @@ class FusedDecoder:
             compile_ = lambda fn: torch.compile(fn, mode=compile_mode, dynamic=False, fullgraph=True)  # noqa: E731
             self._head, self._mid, self._tail = compile_(head_segment), compile_(mid_segment), compile_(tail_segment)
         logger.info(f"inference: fused decode step ({attention} attention, "
-                    f"{'eager' if compile_mode is None else 'torch.compile mode ' + compile_mode})")
+                    f"{'eager' if compile_mode is None else 'torch.compile mode ' + compile_mode}, {gemm} GEMMs)")
+
+    def prepare(self, batch):
+        """The GEMM plans of a batch bucket (timed on the device for gemm='auto'); outside any graph capture."""
+        if batch in self.plans:
+            return self.plans[batch]
+        if self.gemm == "torch" or batch > MAX_ROWS:
+            plans = NO_PLANS
+        elif self.gemm == "triton":
+            from megatron.inference.skinny_gemm import candidates
+            sms = torch.cuda.get_device_properties(self.emb.device).multi_processor_count \
+                if self.emb.device.type == "cuda" else 132
+            plans = tuple(candidates(batch, w.shape[0], w.shape[1], sms)[0]
+                          for w in (self.pre[0][2], self.post[0][0], self.post[0][4], self.post[0][6], self.emb))
+        else:
+            from megatron.inference.skinny_gemm import choose_plan
+            pre, post, chosen = self.pre, self.post, []
+            for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre], {}),
+                                         ("dense", [p[0] for p in post], [p[1] for p in post], {"residual": True}),
+                                         ("h->4h", [p[4] for p in post], [p[5] for p in post], {"gelu": True}),
+                                         ("4h->h", [p[6] for p in post], [p[7] for p in post], {"residual": True}),
+                                         ("LM head", [self.emb], [None], {})):
+                plan, seconds = choose_plan(batch, ws, bs, label=label, **flags)
+                chosen.append(plan)
+                self.gemm_times[(batch, label)] = seconds
+            plans = tuple(chosen)
+        self.plans[batch] = plans
+        return plans
 
     def __call__(self, tokens, slots, pos):
         """Writes each row's new key/value at pos[b] of slot slots[b] and returns fp32 logits (B, V)."""
         cache, eps, post_ln, gemv = self.cache, self.eps, self.post_ln, self.gemv
+        plans = self.prepare(tokens.shape[0])
         last = len(self.pre) - 1
-        residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln, gemv)
+        residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln, gemv, plans)
         for i in range(last + 1):
             context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale)
             if i < last:
-                residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln, gemv)
+                residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln, gemv,
+                                          plans)
         return self._tail(residual, context, *self.post[last], *self.final, self.emb, eps, post_ln, gemv,
-                          self.vocab_limit)
+                          self.vocab_limit, plans)

@@ -23,6 +23,13 @@ Two decode paths (`decode=`):
     unfused  the model's own forward over the cache (TP > 1): rows 0..max slot, attention over the first
              multiple of kv_bucket positions that holds every row; one graph per (batch, kv-length) bucket.
 Greedy rows take the argmax of the logits; the vocabulary is sorted only when a sampled row filters (top-k/p).
+
+graph_step=True (CUDA graphs, no sync_tokens) captures the whole decode step in the graph: the gathers of the
+running rows' state, the forward, the argmax (or the sampling) and the per-row state update (tokens, pos, count,
+done, the output write), so a step is one graph replay and no host work; one graph per (bucket, sampled,
+filtered). graph_step=False replays the forward's graph and updates the state eagerly (round 1's engine).
+gemm (fused step): "torch", "triton" or "auto" (megatron/inference/skinny_gemm.py's kernel per weight shape
+where it is faster than torch's matmul at that batch bucket, timed at capture).
 """
 import heapq
 import itertools
@@ -75,12 +82,13 @@ class InferenceEngine:
     returns the tokens every rank uses (tensor parallelism: rank 0's choice).
     decode: "fused" or "unfused" (default: fused at TP 1). compile_mode: for the fused step, None (eager) or a
     torch.compile mode ("default", "max-autotune-no-cudagraphs"); decode_attention: "triton" or "torch"
-    (default: triton on CUDA).
+    (default: triton on CUDA). graph_step: the whole step (state update included) in the CUDA graph (default
+    False). gemm: the fused step's GEMMs, "torch" (default), "triton" or "auto" (timed per shape).
     """
 
     def __init__(self, model, max_batch_size=8, max_seq_len=None, eod_id=None, vocab_limit=None,
                  prefill_chunk=2048, cuda_graphs=None, kv_bucket=256, sync_tokens=None, decode=None,
-                 compile_mode=None, decode_attention=None):
+                 compile_mode=None, decode_attention=None, graph_step=None, gemm=None):
         config = model.config
         self.model = model
         self.device = next(model.parameters()).device
@@ -112,7 +120,12 @@ class InferenceEngine:
         self.decoder = None
         if decode == "fused":
             from megatron.inference.decode import FusedDecoder
-            self.decoder = FusedDecoder(model, self.cache, vocab_limit, decode_attention, compile_mode)
+            self.decoder = FusedDecoder(model, self.cache, vocab_limit, decode_attention, compile_mode, gemm)
+        elif gemm not in (None, "torch"):
+            raise ValueError(f"gemm={gemm!r} needs decode='fused' (the unfused step runs the model's own GEMMs)")
+        if graph_step and sync_tokens is not None:
+            raise ValueError("graph_step=True cannot capture sync_tokens (tensor parallelism): use graph_step=False")
+        self.graph_step = bool(graph_step) and cuda_graphs
         self.max_new_cap = self.max_seq_len
         self._init_slot_state()
         self.waiting = deque()
@@ -307,18 +320,22 @@ class InferenceEngine:
         if self.decoder is not None:  # running rows packed into rows 0..n-1, one graph per batch bucket
             batch = next(b for b in self._batch_buckets if b >= len(self.running))
             self._sync_order()
-            rows, key = self.active[:batch], (batch, None)
+            key = (batch, None)
         else:
             top = max(self.running) + 1
             batch = next(b for b in self._batch_buckets if b >= top)
             needed = max(r._host_pos for r in self.running.values()) + 1
-            rows, key = self.cache.rows[:batch], (batch, min(self.max_seq_len,
-                                                            -(-needed // self.kv_bucket) * self.kv_bucket))
+            key = (batch, min(self.max_seq_len, -(-needed // self.kv_bucket) * self.kv_bucket))
         self.last_decode_batch = batch
-        logits = self._decode_logits(key)
         requests = self.running.values()
         sampled = [r for r in requests if not r.params.greedy]
-        self._advance(rows, logits, bool(sampled), any(r.params.filters for r in sampled), decode=True)
+        flags = (bool(sampled), any(r.params.filters for r in sampled))
+        if self.graph_step:
+            self._replay(key + flags)
+        elif self.cuda_graphs:
+            self._advance(self._step_rows(batch), self._decode_logits(key), *flags, decode=True)
+        else:
+            self._whole_step(key + flags)
         for r in requests:
             r._host_pos = min(r._host_pos + 1, self.max_seq_len - 1)
             r._host_count += 1
@@ -333,6 +350,40 @@ class InferenceEngine:
             host = host.pin_memory()
         self.active.copy_(host, non_blocking=True)
         self._order_dirty = False
+
+    def _step_rows(self, batch):
+        """The state rows a decode step of this bucket reads and updates (a (batch,) device tensor of slots)."""
+        return self.active[:batch] if self.decoder is not None else self.cache.rows[:batch]
+
+    def _whole_step(self, key):
+        """One decode step, forward and state update, all device work (what graph_step captures)."""
+        batch, kv_len, sampled, filtered = key
+        try:
+            logits = self._decode_forward((batch, kv_len))
+        finally:
+            self.cache.clear()
+        self._advance(self._step_rows(batch), logits, sampled, filtered, decode=True)
+
+    def _replay(self, key):
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(key)
+        self._graphs[key][0].replay()
+
+    def _state(self):
+        return (self.tokens, self.pos, self.count, self.done, self.out)
+
+    def _warm(self, key, runs):
+        """Runs the step `runs` times for compilation and capture's warm-up; a whole step's state update is undone
+        after each (the cache writes are the ones the next real step makes: the same keys at the same positions)."""
+        if len(key) == 2:
+            for _ in range(runs):
+                self._decode_forward(key)
+            return
+        saved = [t.clone() for t in self._state()]
+        for _ in range(runs):
+            self._whole_step(key)
+            for t, s in zip(self._state(), saved):
+                t.copy_(s)
 
     def _decode_forward(self, key):
         batch, kv_len = key
@@ -358,22 +409,25 @@ class InferenceEngine:
     def _capture(self, key):
         """Warms the step up on a side stream, then records it; the graph reads tokens/pos and writes the cache
         in place (the warm-up's writes are the same values the replay writes)."""
-        if self.decoder is not None and self.decoder.compile_mode is not None:
-            self._decode_forward(key)  # compiles (and autotunes) on the current stream, outside the capture
+        batch, kv_len = key[:2]
+        if self.decoder is not None:
+            self.decoder.prepare(batch)  # times the GEMM choices of this bucket (gemm="auto"), outside the capture
+            if self.decoder.compile_mode is not None:
+                self._warm(key, 1)  # compiles (and autotunes) on the current stream, outside the capture
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_forward(key)
+            self._warm(key, 2)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._decode_forward(key)
+            logits = self._decode_forward(key) if len(key) == 2 else self._whole_step(key)
         self.cache.clear()
-        batch, kv_len = key
-        logger.info(f"inference: captured the {self.decode} decode step for batch {batch}"
+        what = "decode step" if len(key) == 2 else "whole decode step ({})".format(
+            "greedy" if not key[2] else "sampled, filtered" if key[3] else "sampled")
+        logger.info(f"inference: captured the {self.decode} {what} for batch {batch}"
                     + ("" if kv_len is None else f", kv length {kv_len}"))
         return graph, logits
 
@@ -443,6 +497,9 @@ class InferenceEngine:
             else:
                 kv_lengths = kv_lengths or [min(self.max_seq_len, self.kv_bucket)]
             keys = [(b, k) for b in batch_sizes or self._batch_buckets for k in kv_lengths]
+        if self.graph_step:  # greedy steps; every_bucket: sampled ones (filtered or not) too
+            flags = [(False, False), (True, False), (True, True)] if every_bucket else [(False, False)]
+            keys = [key + f for key in keys for f in flags]
         for key in keys:
             if key not in self._graphs:
                 self._graphs[key] = self._capture(key)

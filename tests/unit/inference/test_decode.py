@@ -195,3 +195,26 @@ def test_greedy_never_sorts_the_vocabulary(pair, monkeypatch, decode):
     assert engine(ours, decode).generate(prompts((7, 3)), SamplingParams(greedy=True, max_new_tokens=6)) == want
     with pytest.raises(AssertionError, match="sorted"):  # a filtered sampled row does sort
         engine(ours, decode).generate(prompts((7,)), SamplingParams(top_p=0.9, max_new_tokens=2))
+
+
+@pytest.mark.parametrize("decode", ["fused", "unfused"])
+def test_a_whole_step_captures_warm_up_leaves_the_state_as_it_was(pair, decode):
+    """graph_step's capture warms the whole step up (forward, sampling, state update) and undoes the update: every
+    row's state is unchanged after it (the cache holds the keys the next step writes again), and generation goes on
+    to the same tokens, greedy and sampled-with-top-p rows alike."""
+    _, ours = pair
+    ps = prompts((7, 3, 12), seed=7)
+    greedy, sampled = SamplingParams(greedy=True, max_new_tokens=10), SamplingParams(top_p=0.8, max_new_tokens=10)
+
+    def run(warm):
+        eng = engine(ours, decode)
+        reqs = [eng.add_request(p, sampled if i == 1 else greedy, seed=i) for i, p in enumerate(ps)]
+        eng.step(num_steps=3)
+        if warm:
+            before = [t.clone() for t in eng._state()]
+            eng._warm((4, None if decode == "fused" else 96, True, True), 2)
+            assert all(torch.equal(a, b) for a, b in zip(eng._state(), before))
+        while eng.has_work():
+            eng.step(num_steps=3)
+        return [r.output for r in reqs]
+    assert run(True) == run(False)

@@ -1,0 +1,195 @@
+"""GEMMs of a decode step (M <= 64 rows): a Triton split-K kernel with the bias, GeLU and residual in its epilogue,
+chosen per weight shape and batch bucket against torch's matmul by timing both on the device.
+
+    y = [residual +] [gelu_tanh](x W^T [+ b])          x (M, K), W (N, K) as nn.Linear stores it, y (M, N)
+
+A decode step's GEMMs read every weight once for a handful of rows: they are bound by memory bandwidth, and at
+the 1.72B model's shapes (N x K = 6144x2048, 2048x2048, 8192x2048, 2048x8192, the LM head 250880x2048) cuBLAS's
+GEMV-like choices leave part of it unused (few programs for 8-33 MB of weights). The kernel splits K so that a
+launch has about two programs per SM, each streaming a BLOCK_N x K/SPLIT_K slice of W.
+
+A plan is (block_n, block_k, split_k), or None for torch (F.linear, then the epilogue in torch ops). choose_plan
+times each candidate and torch inside a CUDA graph over the real layers' weights of that shape (so neither the
+host's launch cost nor the L2 cache flatters a side) and keeps the faster. The kernel is the custom op
+torch.ops.megatron.skinny_linear, so torch.compile'd segments call it as one opaque op (inductor still fuses the
+LayerNorms around it).
+"""
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 64  # the kernel is for decode batches; above it torch's GEMMs are the right choice
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_gemm_available(device):
+    """True where the Triton kernel can run: CUDA with triton, or any device under TRITON_INTERPRET=1 (tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.device(device).type == "cuda" or _INTERPRETED
+
+
+def block_m(rows):
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+_LOCKS = {}  # device -> int32 arrival counters of the split-K tiles (all 0 between launches)
+_MAX_TILES = 1 << 16
+
+
+def _locks(device):
+    if device not in _LOCKS:  # allocated at a first (warm-up) call, outside any graph capture
+        _LOCKS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _LOCKS[device]
+
+
+def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_n=64, block_k=128, split_k=1,
+                         last_reduces=False):
+    """The kernel: x (M, K) contiguous rows, weight (N, K), bias (N,), residual (M, N) -> (M, N) in x's dtype.
+    last_reduces (split_k > 1): the last split of each tile sums the splits (one launch), else a second kernel."""
+    from megatron.inference.triton_gemm import skinny_gemm_kernel, splitk_epilogue_kernel
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1), residual.shape
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    b = bias if bias is not None else y  # a pointer the kernel never reads
+    r = residual if residual is not None else y
+    bm = block_m(m)
+    # software-pipelined stages of the x and W tiles, within ~160 KB of shared memory (fp32 tiles are twice as big)
+    stage_bytes = (bm + block_n) * block_k * (4 if x.dtype == torch.float32 or _INTERPRETED else x.element_size())
+    stages = max(1, min(3, (160 << 10) // stage_bytes))
+    flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
+    grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, bm))
+    last_reduces = bool(last_reduces) and split_k > 1
+    locks = _locks(x.device) if last_reduces else y
+    assert grid[0] * grid[2] <= _MAX_TILES, grid
+    skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
+                             y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED,
+                             EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n,
+                             BLOCK_K=block_k, SPLIT_K=split_k, LAST_REDUCES=last_reduces, num_stages=stages,
+                             **flags)
+    if split_k > 1 and not last_reduces:
+        splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
+                                                                         SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
+                                                                         **flags)
+    return y
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@torch.library.custom_op("megatron::skinny_linear", mutates_args=())
+def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     residual: Optional[torch.Tensor], gelu: bool, block_n: int, block_k: int,
+                     split_k: int, last_reduces: bool) -> torch.Tensor:
+    return skinny_linear_triton(x.contiguous(), weight, bias, None if residual is None else residual.contiguous(),
+                                gelu, block_n, block_k, split_k, last_reduces)
+
+
+@skinny_linear_op.register_fake
+def _skinny_linear_fake(x, weight, bias, residual, gelu, block_n, block_k, split_k, last_reduces):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x, weight, bias=None, plan=None, gelu=False, residual=None):
+    """[residual +] [gelu_tanh](x W^T + b) with the Triton kernel (plan) or torch (plan None)."""
+    if plan is not None:
+        return torch.ops.megatron.skinny_linear(x, weight, bias, residual, gelu, *plan)
+    y = F.linear(x, weight, bias)
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    return y if residual is None else residual + y
+
+
+def candidates(rows, n, k, sms):
+    """Plans (block_n, block_k, split_k, last_reduces) to time for an (rows, K) x (N, K)^T GEMM: two tile shapes
+    (rows of W read 256 and 512 bytes at a time in bf16), each with split-K until a launch has about two programs
+    per SM (at least two blocks of K a split) and the splits summed in the kernel; the first tile shape also with
+    the sums in a second kernel."""
+    del rows  # the tile over rows follows the bucket (block_m); the weight's tiling is what matters
+    out = []
+    for block_n, block_k in ((64, 128), (32, 256)):
+        tiles, split = triton_cdiv(n, block_n), 1
+        while tiles * split < 2 * sms and k // (2 * split) >= 2 * block_k:
+            split *= 2
+        out.append((block_n, block_k, split, split > 1))
+    if out[0][2] > 1:
+        out.append(out[0][:3] + (False,))
+    return out
+
+
+def plan_name(plan):
+    if plan is None:
+        return "torch"
+    return "triton {}x{} split {}".format(*plan[:3]) + (" in-kernel sum" if plan[3] else "")
+
+
+def _graph_time(fn, replays=3):
+    """Seconds of one fn() call sequence, replayed from a CUDA graph (best of `replays`)."""
+    fn()  # compiles the kernels, warms cuBLAS
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del graph
+    return best
+
+
+def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms=None, timer=None):
+    """The fastest of torch and the candidate plans for `rows` rows over `weights` (a list of same-shape (N, K)
+    tensors, e.g. every layer's), timed in a CUDA graph (timer(fn) -> seconds of fn(), for tests); a plan that
+    fails or disagrees with torch is dropped. Returns (plan or None, {name: seconds per call})."""
+    n, k = weights[0].shape
+    device, dtype = weights[0].device, weights[0].dtype
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    r = torch.randn(rows, n, device=device, dtype=dtype) if residual else None
+
+    def run(plan):
+        def fn():
+            for w, b in zip(weights, biases):
+                linear(x, w, b, plan, gelu, r)
+        return fn
+    sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
+    timer = timer or _graph_time
+    want = linear(x, weights[0], biases[0], None, gelu, r).float()
+    tol = (1e-3 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
+    times = {}
+    for plan in [None] + candidates(rows, n, k, sms):
+        name = plan_name(plan)
+        try:
+            if plan is not None:  # a plan must agree with torch before it is timed
+                error = float((linear(x, weights[0], biases[0], plan, gelu, r).float() - want).abs().max())
+                if not error <= tol:
+                    raise RuntimeError(f"max error {error:.3g} against torch (tolerance {tol:.3g})")
+            times[name] = timer(run(plan)) / len(weights)
+        except Exception as err:  # noqa: BLE001  a candidate that fails to compile, agree or capture is not chosen
+            logger.warning(f"inference: GEMM {label} {name} failed ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:160] if str(err) else ''}); not a candidate")
+            continue
+        if plan is not None:
+            times[name] = (times[name], plan)
+    best_name = min(times, key=lambda key: times[key] if key == "torch" else times[key][0])
+    plan = None if best_name == "torch" else times[best_name][1]
+    seconds = {key: (value if key == "torch" else value[0]) for key, value in times.items()}
+    logger.info(f"inference: GEMM {label} rows {rows} N x K {n}x{k}: {best_name} ("
+                + ", ".join(f"{key} {value * 1e6:.1f} us" for key, value in seconds.items()) + ")")
+    return plan, seconds

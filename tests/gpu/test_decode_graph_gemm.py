@@ -1,0 +1,86 @@
+"""The whole decode step in one CUDA graph (InferenceEngine(graph_step=True)) and the skinny GEMM kernel
+(megatron/inference/skinny_gemm.py, gemm="triton"/"auto") on the GPU: the kernel against torch at the 1.72B model's
+decode shapes, the plan timing, and the engine's tokens against the unfused path and the eager state update."""
+import pytest
+import torch
+
+from megatron.inference import InferenceEngine, SamplingParams
+from tests.gpu.test_fused_decode import model, prompts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 8), (torch.bfloat16, 1), (torch.bfloat16, 64)])
+def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
+    """The 1.72B model's decode GEMMs (N x K) with their epilogues against fp32 torch: the first candidate plan at
+    each shape, every candidate at the dense shape (split-K 8 and 4, summed in the kernel or by a second one);
+    the split-K tiles' arrival counters are back at 0 after each call."""
+    from megatron.inference import skinny_gemm
+    from megatron.inference.skinny_gemm import candidates, skinny_linear_triton
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    shapes = [(6144, 2048, False, False), (2048, 2048, False, True), (8192, 2048, True, False),
+              (2048, 8192, False, True)] + ([(250880, 2048, False, False)] if dtype == torch.bfloat16 else [])
+    for n, k, gelu, residual in shapes:
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype)
+        b = None if n == 250880 else torch.randn(n, device="cuda", generator=gen).to(dtype)
+        r = torch.randn(rows, n, device="cuda", generator=gen).to(dtype) if residual else None
+        want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        want = torch.nn.functional.gelu(want, approximate="tanh") if gelu else want
+        want = want if r is None else want + r.float()
+        plans = candidates(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        for plan in plans if (n, k) == (2048, 2048) else plans[:1]:
+            got = skinny_linear_triton(x, w, b, r, gelu, *plan)
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=lambda m: f"{n}x{k} {plan}: {m}")
+            assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[x.device].any()
+            again = skinny_linear_triton(x, w, b, r, gelu, *plan)  # the sums in a fixed order: bitwise the same
+            assert torch.equal(again, got), plan
+
+
+def test_choose_plan_times_torch_and_every_candidate():
+    from megatron.inference.skinny_gemm import choose_plan, plan_name
+    ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    bs = [torch.randn(2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    plan, seconds = choose_plan(1, ws, bs, residual=True, label="test")
+    assert len(seconds) == 4 and "torch" in seconds and all(0 < s < 1e-2 for s in seconds.values()), seconds
+    best = min(seconds, key=seconds.get)
+    assert best == plan_name(plan)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_whole_step_graph_and_triton_gemms_equal_unfused_in_fp32(batch):
+    """graph_step (the state update inside the graph) with torch and with the Triton GEMMs, eager and compiled."""
+    ours = model()
+    ps = prompts(batch)
+    params = SamplingParams(greedy=True, max_new_tokens=48)
+    want = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, decode="unfused").generate(ps, params)
+    compiled = [dict(gemm="auto", compile_mode="default")] if batch == 8 else []
+    for kwargs in [dict(), dict(gemm="triton")] + compiled:
+        eng = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, graph_step=True, **kwargs)
+        assert eng.graph_step and eng.generate(ps, params) == want, kwargs
+        assert all(len(key) == 4 for key in eng._graphs), list(eng._graphs)
+    unfused = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, decode="unfused", graph_step=True)
+    assert unfused.generate(ps, params) == want
+
+
+def test_whole_step_graph_continuous_batching_and_sampling():
+    """Rows joining and leaving (buckets 4, 2, 1), greedy and seeded top-p rows: the same tokens as the engine
+    that updates the state outside the graph; warmup(every_bucket=True) captures the sampled graphs too."""
+    ours = model()
+    ps = prompts(6, seed=3)
+    lengths = [5, 30, 9, 17, 3, 22]
+
+    def run(**kwargs):
+        eng = InferenceEngine(ours, max_batch_size=4, max_seq_len=128, **kwargs)
+        eng.warmup(every_bucket=True)
+        requests = [eng.add_request(p, SamplingParams(greedy=i % 2 == 0, top_p=0.9 if i % 3 else 1.0,
+                                                      max_new_tokens=n), seed=i)
+                    for i, (p, n) in enumerate(zip(ps, lengths))]
+        while eng.has_work():
+            eng.step(num_steps=3)
+        return [r.output for r in requests], eng
+    want, _ = run()
+    got, eng = run(graph_step=True)
+    assert got == want
+    assert {key[2:] for key in eng._graphs} == {(False, False), (True, False), (True, True)}
