@@ -6,6 +6,8 @@ DeepSpeed's structures, independently of megatron/checkpoint/adapters.py, so tha
 round trip against DeepSpeed itself. Only APIs that main had before the adapters are used here:
 tests/fixtures/format2/generate.py writes checkpoints with an older checkout through this module.
 """
+import os
+
 import torch
 
 # case: (flags, the wrapper DeepSpeed picks on one process); "fp32-accumulation": bf16 gradients accumulated in
@@ -27,13 +29,13 @@ def configure(root, flags, load=None):
     """(Config, DeepSpeed dict) of a one-layer run saving to root (and loading from `load`)."""
     from megatron.arguments import load_and_resolve
     args = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
-            "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", str(2 * int(os.environ.get("WORLD_SIZE", "1"))),
             "--train-iters", "10", "--lr", "1e-2", "--min-lr", "1e-3", "--clip-grad", "1.0", "--mock-data",
             "--mock-vocab-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(root),
             "--deepspeed", *flags, *(FP16_FLAGS if "--fp16" in flags else [])]
     if load is not None:
         args += ["--load", str(load)]
-    return load_and_resolve(args, world_size=1)[:2]
+    return load_and_resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))[:2]
 
 
 def build_engine(case, config, ds_config, state):

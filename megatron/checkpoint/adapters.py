@@ -233,10 +233,16 @@ class FlatAdapter(Adapter):
         return slots
 
     def _place(self, slot):
-        """(the flat fp32 partition holding slot, the offset of slot's fragment in it)"""
-        mapping = slot.param._hp_mapping
-        flat = self.optimizer.optimizer.param_groups[mapping.param_group_index]["params"][0]
-        return flat, mapping.hp_fragment_address.start
+        """(the flat fp32 partition holding slot, the offset of slot's fragment in it): the inner optimizer's
+        tensor whose storage the fragment's fp32 view (hp_fragment) lies in."""
+        fragment = slot.param._hp_mapping.hp_fragment
+        for group in self.optimizer.optimizer.param_groups:
+            for flat in group["params"]:
+                offset = fragment.storage_offset() - flat.storage_offset()
+                if flat.untyped_storage().data_ptr() == fragment.untyped_storage().data_ptr() and \
+                        0 <= offset and offset + slot.numel <= flat.numel():
+                    return flat, offset
+        raise AssertionError(f"{slot.name}: no flat fp32 partition of {type(self.optimizer).__name__} holds it")
 
     def get(self, slot):
         flat, offset = self._place(slot)
