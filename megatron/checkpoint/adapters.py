@@ -23,7 +23,7 @@ The interface (Adapter), all the rest of megatron/checkpoint uses:
                     of the tied word embedding is not (DeepSpeed all-reduces its gradient with the first stage's
                     and updates both alike, so the first stage's state serves both)
 plus step(), scaler() (the fp16 loss scaler's object) and refresh_master(). What each adapter reads of DeepSpeed
-is named in its docstring; nothing else in megatron/ reads DeepSpeed's optimizer internals.
+is named in its docstring; nothing else in megatron/checkpoint reads DeepSpeed's optimizer internals.
 
 The unfused wrapper measures the gradient norm on gradients stripped of their parameters' parallel attributes, so
 it misses TP ranks' slices and counts the pipeline's tied embedding twice (measured: bf16 TP 2 reported 0.564
