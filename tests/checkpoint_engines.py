@@ -26,16 +26,18 @@ FP16_FLAGS = ["--initial-loss-scale", "1024", "--loss-scale-window", "2"]  # the
 
 
 def configure(root, flags, load=None):
-    """(Config, DeepSpeed dict) of a one-layer run saving to root (and loading from `load`)."""
+    """(Config, DeepSpeed dict) of a one-layer run saving to root (and loading from `load`), on $WORLD_SIZE
+    data-parallel processes."""
     from megatron.arguments import load_and_resolve
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
-            "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", str(2 * int(os.environ.get("WORLD_SIZE", "1"))),
+            "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", str(2 * world_size),
             "--train-iters", "10", "--lr", "1e-2", "--min-lr", "1e-3", "--clip-grad", "1.0", "--mock-data",
             "--mock-vocab-size", "64", "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(root),
             "--deepspeed", *flags, *(FP16_FLAGS if "--fp16" in flags else [])]
     if load is not None:
         args += ["--load", str(load)]
-    return load_and_resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))[:2]
+    return load_and_resolve(args, world_size=world_size)[:2]
 
 
 def build_engine(case, config, ds_config, state):

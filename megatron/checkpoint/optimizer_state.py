@@ -31,11 +31,6 @@ FORMAT = 3  # meta.json's "engine_state_version": 1 DeepSpeed's files, 2 its sta
 SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
-def partitioned(engine):
-    """True when each DP rank holds its own part of the optimizer state, False when DP rank 0's serves all."""
-    return adapter_for(engine).partitioned
-
-
 def compact(obj):
     """obj with every tensor that views a larger storage copied out (torch.save writes a view's whole storage)."""
     if torch.is_tensor(obj):

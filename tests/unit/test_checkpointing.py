@@ -2,7 +2,6 @@
 saves, --save checks; the engine state (optimizer, LR schedule) saved without weights; the LR-schedule warning on
 resume."""
 import dataclasses
-import io
 import json
 import os
 from types import SimpleNamespace
