@@ -5,8 +5,9 @@
     io.py               fsynced and atomic writes, checksummed torch.save, the manifest, atomic output folders
     saved_optimizer.py  the per-parameter optimizer index (index_*.json) and its reader (pure)
     streams.py          windows of tensors read from mapped files, safetensors written a block at a time
-    tied.py             the pipeline's tied-embedding copy in the optimizer state (left out, sent back on load)
-    optimizer_state.py  each rank's optimizer state, LR schedule and step counters (DeepSpeed's wrappers)
+    adapters.py         one adapter per DeepSpeed optimizer wrapper: each parameter's state region, read and
+                        written (the only module that reads DeepSpeed's optimizer internals)
+    optimizer_state.py  each rank's optimizer state per parameter and region, LR schedule and step counters
     save.py             the collective save (atomic iter_* folders, pruning, --save checks)
     load.py             resuming from --load (same or another layout, weights alone), the schedule warning
     convert.py          merged and resharded checkpoints, written in our layout (tools, one process, CPU)
@@ -14,7 +15,8 @@
     universal.py        any checkpoint with optimizer state rewritten for another TP x PP, its optimizer state per
                         parameter (tools/convert_checkpoint.py; resumes on any DP size and ZeRO stage)
 
-Dependencies point one way: format <- io <- save/load (with saved_optimizer <- tied/optimizer_state below them),
+Dependencies point one way: format <- io <- save/load (with saved_optimizer, adapters <- optimizer_state
+below them),
 and format <- streams/io <- convert <- hf, universal. Nothing here imports megatron.training; import the modules
 themselves (this package re-exports nothing).
 """

@@ -8,15 +8,15 @@ Layout of <save>/iter_0000100/ (written under <save>/.tmp_iter_0000100/ and rena
     model_tp00_pp000.pt     weights of (TP rank, PP stage) under BloomModel's names, with each tensor's
                             partition dim; what tools/merge_mp_partitions.py, --finetune and resuming read
     optimizer_tp00_pp000_dp00000.pt
-                            the engine state of (TP rank, PP stage, DP rank): DeepSpeed's optimizer wrapper's
-                            state_dict() (fp32 master weights under bf16/fp16, Adam's moments, the loss scaler;
-                            a ZeRO partition per DP rank, one file for the DP group when the state is replicated),
-                            the LR schedule's position and the engine's step counters. No model weights
-                            (megatron/checkpoint/optimizer_state.py).
+                            the engine state of (TP rank, PP stage, DP rank): per parameter (BloomModel's
+                            names), the region of it this rank holds (a ZeRO partition per DP rank, one file
+                            for the DP group when the state is replicated): Adam's moments and, under bf16/fp16,
+                            the fp32 master weights; the loss scaler, the LR schedule's position and the
+                            engine's step counters. No model weights (megatron/checkpoint/optimizer_state.py).
     index_tp00_pp000_dp00000.json
-                            beside each optimizer file: where each parameter's state (fp32 master, Adam's
-                            moments) lies in it, under BloomModel's names, with the partition dim its
-                            tensor-parallel layer sets (megatron/checkpoint/saved_optimizer.py); no tensors
+                            beside each optimizer file: the parameters and regions it holds, with the partition
+                            dim each tensor-parallel layer sets (megatron/checkpoint/saved_optimizer.py); no
+                            tensors
     rng_rank00000.pt        per-rank CPU/CUDA/model-parallel RNG states
     tokenizer/              the tokenizer, saved with save_pretrained
     config.json             the resolved run config

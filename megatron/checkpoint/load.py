@@ -1,7 +1,7 @@
 """Checkpoint loading: resume from --load (same layout or another), weights alone, and the LR-schedule change warning.
 
-Same layout (TP, PP, DP, ZeRO stage, precision): the weights from the model shards, then each rank's optimizer
-file loaded into the same wrapper (megatron/checkpoint/optimizer_state.py): the exact path.
+Same layout (TP, PP, DP, ZeRO stage, precision): the weights from the model shards, then each parameter's
+optimizer state region by region from this rank's files (megatron/checkpoint/optimizer_state.py): the exact path.
 
 Another layout (or precision): the weights are merged along each tensor's partition dim and re-split for this
 run's TP rank; the optimizer state is read per parameter through the index files (megatron/checkpoint/
@@ -81,22 +81,27 @@ def _read_engine_state(folder, tp_rank, pp_rank, dp_rank, mmap=False):
     return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
-def load_engine_state(engine, folder, state, load_optimizer=True):
-    """Restores each rank's optimizer state, LR schedule position and step counters (optimizer_state) into an
-    engine whose module holds the checkpoint's weights. --no-load-optim (load_optimizer=False) keeps the fresh
-    optimizer and schedule and copies the weights into the fp32 master weights. Returns the saved LR scheduler
-    state (None when not restored). state: the run's ParallelState."""
+def load_engine_state(engine, folder, state, load_optimizer=True, num_layers=None):
+    """Restores each rank's optimizer state, LR schedule position, step counters and loss scale (optimizer_state)
+    into an engine whose module holds the checkpoint's weights, saved on this layout: each parameter's region read
+    from this TP rank's files of this stage (and the first stage's, for the tied embedding). --no-load-optim
+    (load_optimizer=False) keeps the fresh optimizer and schedule and copies the weights into the fp32 master
+    weights. Returns the saved LR scheduler state (None when not restored). state: the run's ParallelState."""
     if not load_optimizer:
         optimizer_state.refresh_master_weights(engine)
         return None
-    dp_rank = state.dp_rank if optimizer_state.partitioned(engine.optimizer) else 0
-    saved = _read_engine_state(folder, state.tp_rank, state.pp_rank, dp_rank)
     try:
-        optimizer_state.restore(engine, saved,
-                                lambda r: _read_engine_state(folder, state.tp_rank, state.pp_rank, r))
-    except ValueError as err:
-        raise CheckpointError(f"--load {folder}: {err}; resume with the checkpoint's --zero-stage and precision, "
-                              "or pass --no-load-optim to restart the optimizer from the weights") from None
+        source = SavedOptimizer(folder, read_meta(folder), tp_ranks=[state.tp_rank],
+                                pp_ranks=sorted({0, state.pp_rank}))
+        optimizer_state.restore_from_parameters(engine, source, num_layers, state.pp_rank,
+                                                state.tensor_model_parallel_size, state.tp_rank)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"--load {folder}: its optimizer state is unreadable ({type(err).__name__}: {err}); "
+                              "load another checkpoint, or pass --no-load-optim to restart the optimizer from the "
+                              "weights") from None
+    saved = _read_engine_state(folder, state.tp_rank, state.pp_rank, 0, mmap=True)  # counters, loss scale
+    optimizer_state.restore_counters(engine, saved)
+    optimizer_state.restore_loss_scale(engine, saved)
     return saved["lr_scheduler"]
 
 
@@ -194,7 +199,8 @@ def load_checkpoint(engine, config, state):
             schedule_restored = not ckpt.no_load_optim
         else:
             load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
-            schedule_restored = load_engine_state(engine, folder, state, not ckpt.no_load_optim) is not None
+            schedule_restored = load_engine_state(engine, folder, state, not ckpt.no_load_optim,
+                                                  config.model.num_layers) is not None
         if schedule_restored:
             _warn_schedule_change(engine, folder, config)
     rng_path = os.path.join(folder, rng_name(state.rank))

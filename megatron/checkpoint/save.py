@@ -2,9 +2,9 @@
 
 Every tensor is stored once (megatron/checkpoint/optimizer_state.py): the weights only in the model shards
 (DeepSpeed's engine.save_checkpoint would write them a second time, and under bf16 with pipeline parallelism the
-optimizer state twice, then fail to load it); in fp32, ZeRO's fp32 partitions (equal to the weights) are rebuilt
-from the loaded weights; with PP > 1 the optimizer state of the last stage's copy of the tied word embedding is
-sent from the first stage on load. The folder's files are described in megatron/checkpoint/format.py.
+optimizer state twice, then fail to load it); the optimizer state per parameter and region, without the fp32
+master in fp32 runs (the weights are the master) and without the last stage's copy of the tied word embedding
+(read from the first stage's files on load). The folder's files are described in megatron/checkpoint/format.py.
 
 Crash safety (docs/FAULTS.md): every rank fsyncs what it wrote before rank 0 writes the manifest, so a folder
 named iter_* is complete unless the disk itself lost data, which the manifest's sizes and CRC32s then catch on
@@ -27,7 +27,6 @@ from megatron.checkpoint.format import (TMP_PREFIX, CheckpointError, index_name,
                                         optimizer_name, read_latest, rng_name, shard_name, tag_for)
 from megatron.checkpoint.io import (fsync_dir, fsync_tree, torch_save_synced, write_json_atomic, write_manifest,
                                     write_text_atomic, write_text_synced)
-from megatron.checkpoint.saved_optimizer import index_text
 from megatron.core.parallel_state import comm_device
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -97,14 +96,14 @@ def _write_rank_files(engine, config, tmp, state):
     shard (DP rank 0), its RNG states. Returns {file name: manifest entry}."""
     written = {}
     if not config.checkpoint.no_save_optim:  # --no-save-optim: weights only (our shards), no engine state
-        saved = optimizer_state.collect(engine, config.precision.name, state.dp_rank)
-        if saved is not None:
+        collected = optimizer_state.collect(engine, config.model.num_layers, state.pp_rank, state.dp_rank)
+        if collected is not None:
+            saved, index = collected
             name = optimizer_name(state.tp_rank, state.pp_rank, state.dp_rank)
-            step, params = optimizer_state.parameter_index(engine, saved, config.model.num_layers, state.pp_rank)
             written[name] = torch_save_synced(saved, os.path.join(tmp, name))
-            del saved
+            del saved, collected
             name = index_name(state.tp_rank, state.pp_rank, state.dp_rank)
-            written[name] = write_text_synced(index_text(step, params), os.path.join(tmp, name))
+            written[name] = write_text_synced(index, os.path.join(tmp, name))
     shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage, state.pp_rank)
     if state.dp_rank == 0:
         name = shard_name(state.tp_rank, state.pp_rank)

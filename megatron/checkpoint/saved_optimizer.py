@@ -1,24 +1,27 @@
-"""Saved optimizer state per parameter: the index files and their reader, for resuming on another layout.
+"""Saved optimizer state per parameter: the index files and their reader, for resuming on any layout.
 
 Pure module (files and tensors only; no process group, no DeepSpeed). Every rank that writes an optimizer file
-(optimizer_tp{t}_pp{p}_dp{d}.pt, DeepSpeed's optimizer wrapper's state_dict, megatron/checkpoint/optimizer_state.py)
-also writes index_tp{t}_pp{p}_dp{d}.json, which says where each of its parameters' state lies inside that file:
+(optimizer_tp{t}_pp{p}_dp{d}.pt, megatron/checkpoint/optimizer_state.py) also writes index_tp{t}_pp{p}_dp{d}.json,
+which names the parameters whose state the file holds and the region of each:
 
-    {"version": 1, "step": 11.0, "params": {canonical name: {
+    {"version": 2, "step": 11.0, "params": {canonical name: {
         "shape": [rows, cols],          this TP rank's slice of the parameter
         "partition_dim": 0 | 1 | null,  set by the layer that owns it (tensor_model_parallel / partition_dim)
-        "pieces": [{"state": [path to the dict holding exp_avg, exp_avg_sq],
-                    "fp32": [path to the fp32 master tensor] | null (fp32 runs: the weights are the master),
-                    "offset": where the piece starts in those tensors (flattened),
-                    "start": where it starts in the flattened parameter slice, "numel": its length}]}}}
+        "start": 0, "numel": 24,        the region of the flattened slice held in the file (a ZeRO rank's part)
+        "fp32": true | false}}}         whether the fp32 master weights are saved (false in fp32: the weights are)
 
-A path is the keys and list positions from the file's top level down to a tensor (or a dict of tensors). ZeRO
-partitions and BF16_Optimizer give a parameter one piece per DP rank that holds part of it; torch's AdamW and
-FP16_UnfusedOptimizer one piece, the whole slice. The index holds no tensor, so every tensor is still stored once;
-the tied word embedding is indexed on the first pipeline stage only (the last stage's copy holds the same).
+The file holds the region's tensors at ["optimizer"]["params"][name][key] (key: "fp32", "exp_avg", "exp_avg_sq").
+A parameter partitioned over DP has one region per DP rank that holds part of it; replicated state one region,
+the whole slice, in DP rank 0's file; the tied word embedding is saved on the first pipeline stage only.
 
-Reading on any layout (SavedOptimizer.full): the pieces of every DP rank make each TP slice, the TP slices
-concatenated along the partition dim make the whole parameter; target_slice cuts the new TP rank's slice.
+Version 1 (checkpoints of FORMAT 2, written before the optimizer adapters; also tools/convert_checkpoint.py's output)
+stored a "pieces" list per parameter instead: {"state": path to the dict holding exp_avg/exp_avg_sq, "fp32": path to
+the fp32 master or null, "offset": where the piece starts in those flat tensors, "start", "numel"}, a path being the
+keys and list positions from the file's "optimizer" entry down. Both are read (SavedOptimizer); version 2 is written.
+
+Reading on any layout (SavedOptimizer.full): the regions of every DP rank make each TP slice, the TP slices
+concatenated along the partition dim make the whole parameter; target_slice cuts the new TP rank's slice. On the
+same TP size, SavedOptimizer.region reads one rank's region from the saved regions that overlap it.
 """
 import json
 import os
@@ -28,8 +31,14 @@ import torch
 from megatron.checkpoint.format import index_name, optimizer_name
 from megatron.checkpoint.streams import OpenFiles
 
-VERSION = 1
+VERSION = 2
 KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def index_entry(shape, partition_dim, start, numel, fp32):
+    """One parameter's entry of a version-2 index (see the module docstring)."""
+    return {"shape": list(shape), "partition_dim": partition_dim, "start": int(start), "numel": int(numel),
+            "fp32": bool(fp32)}
 
 
 def index_text(step, params):
@@ -52,14 +61,30 @@ def target_slice(tensor, dim, tp, tp_rank):
     return tensor.chunk(tp, dim)[tp_rank].contiguous()
 
 
+def _pieces(name, entry):
+    """[(start, numel, fp32 saved, locate(file's dict, key) -> (flat tensor, offset))] of an index entry."""
+    if "pieces" not in entry:  # version 2: regions named by parameter
+        return [(entry["start"], entry["numel"], entry["fp32"],
+                 lambda saved, key: (saved["optimizer"]["params"][name][key], 0))]
+    out = []
+    for piece in entry["pieces"]:  # version 1: paths into the file's "optimizer" dict
+        def locate(saved, key, piece=piece):
+            state = saved["optimizer"]
+            return (resolve(state, piece["fp32"]) if key == "fp32" else resolve(state, piece["state"])[key],
+                    piece["offset"])
+        out.append((piece["start"], piece["numel"], piece["fp32"] is not None, locate))
+    return out
+
+
 class SavedOptimizer:
     """The per-parameter optimizer state of a checkpoint folder, read through its index files.
 
-    meta: the folder's meta.json. Files are opened lazily (memory-mapped) and dropped after
-    streams.READ_BLOCK_BYTES read through them (streams.OpenFiles), so memory stays bounded for any model.
-    Raises FileNotFoundError naming a missing index (checkpoints written before the index existed)."""
+    meta: the folder's meta.json; tp_ranks / pp_ranks: the saved TP ranks and stages to index (default all).
+    Files are opened lazily (memory-mapped) and dropped after streams.READ_BLOCK_BYTES read through them
+    (streams.OpenFiles), so memory stays bounded for any model. Raises FileNotFoundError naming a missing index
+    (checkpoints written before the index existed)."""
 
-    def __init__(self, folder, meta):
+    def __init__(self, folder, meta, tp_ranks=None, pp_ranks=None):
         self.folder = folder
         self.tp = meta["tensor_model_parallel_size"]
         self.pp = meta["pipeline_model_parallel_size"]
@@ -68,10 +93,9 @@ class SavedOptimizer:
         self.entries = {}  # name -> {tp_rank: entry}
         self.step = None
         # mapped files dropped after every READ_BLOCK_BYTES read through them: bounded RSS for any model size
-        self._files = OpenFiles(lambda path: torch.load(path, map_location="cpu", weights_only=False,
-                                                        mmap=True)["optimizer"])
-        for t in range(self.tp):
-            for p in range(self.pp):
+        self._files = OpenFiles(lambda path: torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+        for t in range(self.tp) if tp_ranks is None else tp_ranks:
+            for p in range(self.pp) if pp_ranks is None else pp_ranks:
                 for d in range(dp):
                     path = os.path.join(folder, index_name(t, p, d))
                     if not os.path.isfile(path):
@@ -85,7 +109,7 @@ class SavedOptimizer:
                     for name, entry in index["params"].items():
                         self.entries.setdefault(name, {})[t] = entry
                         places = self.locations.setdefault(name, {}).setdefault(t, [])
-                        places.extend((optimizer_name(t, p, d), piece) for piece in entry["pieces"])
+                        places.extend((optimizer_name(t, p, d), piece) for piece in _pieces(name, entry))
 
     def names(self):
         return sorted(self.entries)
@@ -93,28 +117,33 @@ class SavedOptimizer:
     def has_fp32(self, name=None):
         """Whether fp32 master weights are saved (for parameter `name`, or for any)."""
         locations = self.locations.values() if name is None else [self.locations[name]]
-        return any(piece["fp32"] is not None for tps in locations for places in tps.values() for _, piece in places)
+        return any(piece[2] for tps in locations for places in tps.values() for _, piece in places)
 
     def partition_dim(self, name):
-        return self.entries[name][0]["partition_dim"]
+        return next(iter(self.entries[name].values()))["partition_dim"]
+
+    def region(self, name, key, tp_rank, start, numel):
+        """Elements [start, start + numel) of saved TP rank tp_rank's flattened slice of parameter `name`'s state
+        `key` ("fp32", "exp_avg", "exp_avg_sq"), as fp32, from the saved regions that overlap them."""
+        out = torch.zeros(numel, dtype=torch.float32)
+        covered = 0
+        for file, (begin, length, _, locate) in self.locations[name][tp_rank]:
+            lo, hi = max(begin, start), min(begin + length, start + numel)
+            if lo >= hi:
+                continue
+            source, offset = locate(self._files.get(os.path.join(self.folder, file)), key)
+            out[lo - start:hi - start] = source.reshape(-1)[offset + lo - begin:offset + hi - begin].float()
+            self._files.charge((hi - lo) * source.element_size())
+            covered += hi - lo
+        if covered != numel:
+            raise ValueError(f"{self.folder}: the optimizer files hold {covered} of {numel} elements of {name}'s "
+                             f"{key} for TP rank {tp_rank}")
+        return out
 
     def tp_slice(self, name, key, tp_rank):
-        """Saved TP rank tp_rank's slice of parameter `name`'s state `key` ("fp32", "exp_avg", "exp_avg_sq")."""
-        entry = self.entries[name][tp_rank]
-        shape = entry["shape"]
-        out = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
-        covered = 0
-        for file, piece in self.locations[name][tp_rank]:
-            state = self._files.get(os.path.join(self.folder, file))
-            source = resolve(state, piece["fp32"]) if key == "fp32" else resolve(state, piece["state"])[key]
-            out[piece["start"]:piece["start"] + piece["numel"]] = \
-                source.reshape(-1)[piece["offset"]:piece["offset"] + piece["numel"]].float()
-            self._files.charge(piece["numel"] * source.element_size())
-            covered += piece["numel"]
-        if covered != out.numel():
-            raise ValueError(f"{self.folder}: the optimizer files hold {covered} of {out.numel()} elements of "
-                             f"{name}'s {key} for TP rank {tp_rank}")
-        return out.view(shape)
+        """Saved TP rank tp_rank's slice of parameter `name`'s state `key`."""
+        shape = self.entries[name][tp_rank]["shape"]
+        return self.region(name, key, tp_rank, 0, int(torch.Size(shape).numel())).view(shape)
 
     def full(self, name, key, dim=None):
         """The whole parameter's state `key` (TP slices concatenated along the parameter's partition dim, or

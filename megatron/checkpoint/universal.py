@@ -15,8 +15,9 @@ resumes on any DP size and ZeRO stage (and on any other layout), with the optimi
                                      "optimizer_format": "parameters", "global_steps", "global_samples",
                                      "skipped_steps", "lr_scheduler"}: TP rank t's slice of every parameter of
                                     stage p, in fp32; the counters are the source's (layout-independent)
-    index_tp{t}_pp{p}_dp00000.json  the per-parameter index of that file: one piece per parameter (offset 0,
-                                    start 0, the slice's numel); the tied word embedding on stage 0 only
+    index_tp{t}_pp{p}_dp00000.json  the per-parameter index of that file: one region per parameter (start 0,
+                                    the slice's numel; the tensors flattened); the tied word embedding on stage 0
+                                    only: the format training writes (saved_optimizer.py)
     meta.json                       the source's iteration, consumed samples, precision, engine_state_version;
                                     the new TP and PP; "data_parallel_size": null, "zero_stage": null,
                                     "optimizer_format": "parameters", "converted_from": the source folder
@@ -38,7 +39,7 @@ from megatron.checkpoint.format import (OPTIMIZER_FORMAT_PARAMETERS, CheckpointE
                                         verify_checkpoint)
 from megatron.checkpoint.io import check_output_path, torch_save_synced, write_text_synced
 from megatron.checkpoint.optimizer_state import SCALER_FIELDS, compact
-from megatron.checkpoint.saved_optimizer import KEYS, SavedOptimizer, index_text, target_slice
+from megatron.checkpoint.saved_optimizer import KEYS, SavedOptimizer, index_entry, index_text, target_slice
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")  # optimizer_state.restore_counters
 SCALER_KEYS = ("loss_scaler",) + SCALER_FIELDS  # what optimizer_state.restore_loss_scale reads
@@ -73,10 +74,9 @@ def optimizer_file(source, names, tp, tp_rank, counters, scaler, flag="--load"):
         dim = partition_dim(name) if dim is None else dim  # indexes of TP-1 runs may record no dim
         keys = (("fp32",) if source.has_fp32(name) else ()) + KEYS
         entry = {key: compact(target_slice(source.full(name, key, dim), dim, tp, tp_rank)) for key in keys}
-        params[name] = entry
-        index[name] = {"shape": list(entry[KEYS[0]].shape), "partition_dim": dim, "pieces": [{
-            "state": ["params", name], "fp32": ["params", name, "fp32"] if "fp32" in entry else None,
-            "offset": 0, "start": 0, "numel": entry[KEYS[0]].numel()}]}
+        shape = entry[KEYS[0]].shape
+        index[name] = index_entry(shape, dim, 0, shape.numel(), "fp32" in entry)
+        params[name] = {key: value.reshape(-1) for key, value in entry.items()}  # a region of the flattened slice
     saved = {"optimizer": {"params": params, **scaler}, "optimizer_format": OPTIMIZER_FORMAT_PARAMETERS, **counters}
     return saved, index_text(source.step, index)
 

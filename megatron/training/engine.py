@@ -4,8 +4,8 @@ import logging
 
 import torch
 
+from megatron.checkpoint.adapters import adapter_for
 from megatron.optimizer import AnnealingLR, build_optimizer, get_param_groups
-from megatron.training.grad_norm import use_true_grad_norm
 
 logger = logging.getLogger("megatron.training")
 
@@ -62,7 +62,7 @@ def setup_engine(config, ds_config, state):
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_with_bf16_overflow_check(ds_config),
         mpu=DeepSpeedMPU() if state.pipeline_model_parallel_size == 1 else None, dist_init_required=False)
-    use_true_grad_norm(engine)
+    adapter_for(engine)  # the wrapper's adapter; the unfused one makes DeepSpeed report the true gradient norm
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters on this rank (%d in the whole model), %s, ZeRO %d", n_params,
                 config.model.num_parameters(), config.precision.name, config.training.zero_stage)

@@ -2,7 +2,6 @@
 saves, --save checks; the engine state (optimizer, LR schedule) saved without weights; the LR-schedule warning on
 resume."""
 import dataclasses
-import io
 import json
 import os
 from types import SimpleNamespace
@@ -11,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.checkpoint import load, optimizer_state, save, tied
+from megatron.checkpoint import load, optimizer_state, save
 from megatron.checkpoint.format import (CheckpointError, checkpoint_bytes, find_checkpoint, list_checkpoints,
                                         read_latest, read_meta, tag_for, verify_checkpoint)
 from megatron.checkpoint.io import write_manifest
@@ -209,50 +208,23 @@ def test_saved_folder_holds_weights_once_and_the_optimizer_state(tmp_path, singl
         1, 8, str(tmp_path))
     with open(os.path.join(folder, "index_tp00_pp000_dp00000.json")) as f:
         index = json.load(f)
-    assert index == {"version": 1, "step": 2.0, "params": {  # where each parameter's state lies in the .pt
-        "weight": {"shape": [4, 4], "partition_dim": None, "pieces": [
-            {"state": ["state", 0], "fp32": None, "offset": 0, "start": 0, "numel": 16}]},
-        "bias": {"shape": [4], "partition_dim": None, "pieces": [
-            {"state": ["state", 1], "fp32": None, "offset": 0, "start": 0, "numel": 4}]}}}
+    assert index == {"version": 2, "step": 2.0, "params": {  # each parameter and the region the file holds
+        "weight": {"shape": [4, 4], "partition_dim": None, "start": 0, "numel": 16, "fp32": False},
+        "bias": {"shape": [4], "partition_dim": None, "start": 0, "numel": 4, "fp32": False}}}
     saved = torch.load(os.path.join(folder, "optimizer_tp00_pp000_dp00000.pt"), weights_only=False)
-    assert saved["optimizer_class"] == "AdamW" and saved["lr_scheduler"]["num_steps"] == 2
+    assert saved["wrapper"] == "torch" and saved["lr_scheduler"]["num_steps"] == 2
     assert (saved["global_steps"], saved["global_samples"], saved["skipped_steps"]) == (2, 4, 0)
-    tensors = [t for s in saved["optimizer"]["state"].values() for t in s.values() if t.dim() > 0]
-    assert sum(t.numel() for t in tensors) == 2 * 20  # exp_avg and exp_avg_sq of 4x4 + 4 weights, no weights
+    params = saved["optimizer"]["params"]
+    assert {name: sorted(state) for name, state in params.items()} == {
+        "weight": ["exp_avg", "exp_avg_sq"], "bias": ["exp_avg", "exp_avg_sq"]}  # no weights: they are the master
+    for name, param in engine.module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(params[name][key], engine.optimizer.state[param][key].view(-1)), (name, key)
     meta = read_meta(folder)
     assert meta["engine_state_version"] == optimizer_state.FORMAT and meta["deepspeed_state"] is True
 
 
-def test_engine_state_round_trip_into_a_fresh_engine(single_rank):
-    trained, fresh = FakeEngine(steps=3), FakeEngine()
-    buffer = io.BytesIO()  # through bytes, as through a file: no tensor shared with the trained engine
-    torch.save(optimizer_state.collect(trained, "fp32", dp_rank=0), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
-    assert optimizer_state.collect(trained, "fp32", dp_rank=1) is None  # replicated: DP rank 0's file serves
-    fresh.module.load_state_dict(trained.module.state_dict())
-    optimizer_state.restore(fresh, saved)
-    assert fresh.lr_scheduler.num_steps == 3 and fresh.optimizer.param_groups[0]["lr"] == \
-        trained.optimizer.param_groups[0]["lr"]
-    assert (fresh.global_steps, fresh.global_samples) == (3, 6)
-    for p, q in zip(trained.module.parameters(), fresh.module.parameters()):
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(trained.optimizer.state[p][key], fresh.optimizer.state[q][key])
-    x = torch.randn(2, 4)
-    for engine in (trained, fresh):  # the next step is the same step
-        engine.module(x).sum().backward()
-        engine.optimizer.step()
-    assert torch.equal(trained.module.weight, fresh.module.weight)
-    with pytest.raises(ValueError, match="written by DeepSpeed's BF16_Optimizer, this run uses AdamW"):
-        optimizer_state.restore(fresh, {**saved, "optimizer_class": "BF16_Optimizer"})
-
-
-def test_cut_and_paste_zeros_are_inverse():
-    flat = torch.arange(1.0, 13.0)
-    spans = [(0, 3), (5, 2), (11, 1)]
-    kept = tied._cut(flat, spans)
-    assert kept.tolist() == [4.0, 5.0, 8.0, 9.0, 10.0, 11.0]
-    assert tied._paste_zeros(kept, spans, 12).tolist() == [0, 0, 0, 4, 5, 0, 0, 8, 9, 10, 11, 0]
+def test_compact_copies_views_out_of_larger_storages():
     view = torch.zeros(100)[:10]
     compact = optimizer_state.compact({"a": [view], "b": (torch.ones(3),)})
     assert compact["a"][0].untyped_storage().nbytes() == 40 and isinstance(compact["b"], tuple)
@@ -370,3 +342,111 @@ def test_per_parameter_restore_equals_the_saved_state_and_records_the_layers_dim
         engine.optimizer.step()
     for p, q in zip(trained.module.parameters(), fresh.module.parameters()):
         assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------- every DeepSpeed wrapper, real engines
+
+def _round_trips(rank, world_size, root, fixtures):
+    """For each wrapper (tests/checkpoint_engines.py): an engine trained 3 steps and saved; a fresh engine resumed
+    from that checkpoint (load.load_checkpoint, the same-layout path); both stepped once more. And each FORMAT 2
+    checkpoint of tests/fixtures/format2 resumed, saved again (in today's format) and resumed once more."""
+    from megatron.core import parallel_state
+    from tests.checkpoint_engines import CASES, build_engine, configure, raw_state, train, weights
+    state = parallel_state.initialize_model_parallel(1, 1)
+    results = {}
+    for case, (flags, _) in CASES.items():
+        folder = os.path.join(root, case)
+        config, ds_config = configure(folder, flags)
+        trained = build_engine(case, config, ds_config, state)
+        train(trained, 3)
+        saved = save.save_checkpoint(trained, config, state, 3, 6)
+        with open(os.path.join(saved, "index_tp00_pp000_dp00000.json")) as f:
+            index = json.load(f)
+        load_config, _ = configure(folder, flags, load=folder)
+        resumed = build_engine(case, load_config, ds_config, state)
+        untouched = raw_state(resumed)
+        load.load_checkpoint(resumed, load_config, state)
+        result = {"wrapper": type(trained.optimizer).__name__, "expected": raw_state(trained),
+                  "got": raw_state(resumed), "untouched": untouched, "index": index,
+                  "names": {name: tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+                            for name, p in trained.module.named_parameters()}}
+        train(trained, 1, first=3)
+        train(resumed, 1, first=3)
+        result.update(next_expected=weights(trained), next_got=weights(resumed))
+        results[case] = result
+    for case in fixtures:  # written by the code before the adapters (FORMAT 2: DeepSpeed's state_dict + paths)
+        flags = CASES[case][0]
+        old = os.path.join(FIXTURES, case, "ckpt")
+        config, ds_config = configure(os.path.join(root, "format2", case), flags, load=old)
+        resumed = build_engine(case, config, ds_config, state)
+        load.load_checkpoint(resumed, config, state)
+        result = {"got": raw_state(resumed)}
+        folder = save.save_checkpoint(resumed, config, state, 3, 6)  # today's format
+        result["meta"] = read_meta(folder)
+        config, ds_config = configure(os.path.join(root, "format2", case), flags, load=folder)
+        again = build_engine(case, config, ds_config, state)
+        load.load_checkpoint(again, config, state)
+        result["again"] = raw_state(again)
+        results["format2 " + case] = result
+    torch.save(results, os.path.join(root, "results.pt"))
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "format2")
+FORMAT2_CASES = sorted(n for n in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, n))) \
+    if os.path.isdir(FIXTURES) else []
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory):
+    from tests.distributed import run_distributed
+    root = str(tmp_path_factory.mktemp("wrappers"))
+    run_distributed(_round_trips, 1, root, FORMAT2_CASES)
+    return torch.load(os.path.join(root, "results.pt"), weights_only=False)
+
+
+def _differences(expected, got):
+    assert sorted(expected) == sorted(got), (sorted(expected), sorted(got))
+    return [label for label in expected if not (torch.equal(expected[label], got[label]) if
+                                                torch.is_tensor(expected[label]) else expected[label] == got[label])]
+
+
+def _case_ids():
+    from tests.checkpoint_engines import CASES
+    return sorted(CASES)
+
+
+@pytest.mark.parametrize("case", _case_ids())
+def test_every_wrapper_resumes_its_exact_state_from_a_checkpoint(round_trips, case):
+    """Real engines, each wrapper: after save and load into a fresh engine, every fp32 master weight (or weight),
+    Adam moment and step count the wrapper holds, the loss scaler and the step counters equal the trained
+    engine's bit for bit, as DeepSpeed's own structures show them; the next step is the same step. The index names
+    every parameter with the region the file holds (one process: the whole parameter)."""
+    from tests.checkpoint_engines import CASES
+    result = round_trips[case]
+    assert result["wrapper"] == CASES[case][1]
+    untouched = result["untouched"]  # the fresh engine's state differed before loading
+    assert sorted(untouched) != sorted(result["expected"]) or _differences(result["expected"], untouched)
+    assert _differences(result["expected"], result["got"]) == []
+    assert _differences(result["next_expected"], result["next_got"]) == []
+    names = result["names"]
+    # Adam's step count as the wrapper keeps it: FP16_UnfusedOptimizer takes one zero-gradient step when built
+    assert result["index"]["version"] == 2 and result["index"]["step"] == (4.0 if "zero0" in case and
+                                                                            not case.startswith("fp32") else 3.0)
+    assert {name: (tuple(entry["shape"]), entry["start"], entry["numel"])
+            for name, entry in result["index"]["params"].items()} == {
+        name: (shape, 0, int(torch.Size(shape).numel())) for name, shape in names.items()}
+    assert {entry["fp32"] for entry in result["index"]["params"].values()} == {not case.startswith("fp32")}
+
+
+@pytest.mark.skipif(not FORMAT2_CASES, reason="no tests/fixtures/format2")
+@pytest.mark.parametrize("case", FORMAT2_CASES)
+def test_checkpoints_of_the_previous_format_still_resume_exactly(round_trips, case):
+    """tests/fixtures/format2/<case>: checkpoints written by the code before the optimizer adapters (FORMAT 2:
+    each rank's DeepSpeed state_dict, indexed by paths into it; tests/fixtures/format2/generate.py) with the
+    state DeepSpeed held when they were saved. Resumed today, the state is the same bit for bit; saved again it is
+    written in today's format, which resumes to the same state."""
+    expected = torch.load(os.path.join(FIXTURES, case, "expected.pt"), weights_only=False)
+    result = round_trips["format2 " + case]
+    assert _differences(expected, result["got"]) == []
+    assert result["meta"]["engine_state_version"] == optimizer_state.FORMAT == 3
+    assert _differences(expected, result["again"]) == []
