@@ -159,6 +159,11 @@ def _logging_checkpoint_flags(parser):
     g.add_argument("--finetune", action="store_true", help="load weights only; restart iterations at 0")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None)
     g.add_argument("--strict-load", action="store_true", help="stop instead of falling back to an older checkpoint")
+    g.add_argument("--async-save", action="store_true",
+                   help="snapshot to host memory and write checkpoints in the background while training continues")
+    g.add_argument("--checkpoint-verify-timeout-minutes", type=int, default=60,
+                   help="time allowed for the ranks' shared checksum pass on --load (apart from "
+                        "--distributed-timeout-minutes)")
 
 
 def _add_upstream_compat_args(parser):

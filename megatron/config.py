@@ -353,6 +353,13 @@ class CheckpointConfig:
     finetune: bool = False
     keep_last_n_checkpoints: Optional[int] = None
     strict_load: bool = False
+    async_save: bool = False
+    checkpoint_verify_timeout_minutes: int = 60
+
+    def __post_init__(self):
+        if self.checkpoint_verify_timeout_minutes < 1:
+            raise ValueError(f"--checkpoint-verify-timeout-minutes {self.checkpoint_verify_timeout_minutes} must "
+                             "be at least 1")
 
 
 # ---------------------------------------------------------------- upstream compatibility (issue 21)
