@@ -198,7 +198,7 @@ def replace_folder(new, final):
     if _exchange(new, final):
         fsync_dir(parent)
         crash_point("swapped")
-        remove_durably(new)  # the old contents
+        _remove(new)  # the old contents, under the temporary name: a crash leaves a .tmp_* that is never loaded
         return
     trash = trash_name(final)
     _remove(trash)
@@ -250,7 +250,10 @@ def atomic_folder(out, force, flag="--output-path"):
     try:
         os.makedirs(parent, exist_ok=True)
         _remove(trash_name(out))  # left by a crash while an earlier --force deleted the old output
-        shutil.rmtree(tmp, ignore_errors=True)
+        prefix = f"{TMP_PREFIX}{os.path.basename(out)}-"
+        for name in os.listdir(parent):  # left by a conversion to this output that crashed
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                _remove(os.path.join(parent, name))
         os.makedirs(tmp)
         yield tmp
         if os.path.lexists(out) and not force:

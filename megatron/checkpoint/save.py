@@ -257,6 +257,7 @@ def write_and_publish(objects, config, state, iteration, consumed_samples, token
     error, written = None, {}  # file name -> manifest entry, for the files this rank wrote
     try:
         written = write_objects(objects, tmp)
+        crash_point("rank files written")
         if on_written is not None:
             on_written(tmp)
     except OSError as err:
