@@ -50,9 +50,9 @@ class Verifier:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.bytes = self.files = 0
 
-    def _collective(self, op, *args, **kwargs):
+    def _collective(self, collective, *args, **kwargs):
         try:
-            return op(*args, group=self.group, **kwargs)
+            return collective(*args, group=self.group, **kwargs)
         except RuntimeError as err:  # gloo's timeout, or a peer that died meanwhile
             raise CheckpointError(
                 f"verifying the checkpoint did not finish on every rank within --checkpoint-verify-timeout-minutes "

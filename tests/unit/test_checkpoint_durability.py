@@ -189,3 +189,22 @@ def test_tool_output_files_and_folders_are_fsynced_before_the_swap(tmp_path, mon
     assert {*tree(out), ".", "iter_0000005"} <= before, before  # every file and folder, before the rename
     assert str(tmp_path) in synced[written:swapped]  # the parent, after the rename
     assert tree(out)["iter_0000005/weights.pt"] == "new"
+
+
+def test_the_manifest_lists_what_the_ranks_reported_not_what_the_folder_holds(tmp_path):
+    """A file a rank wrote that vanished before rank 0 published (a write lost by the file system) makes the
+    checkpoint fail verification; a stray file nobody reported is not listed."""
+    config, state = fake_run(tmp_path, None)
+
+    def lose_one_and_add_a_stray(folder):
+        os.remove(os.path.join(folder, "rng_rank00000.pt"))
+        with open(os.path.join(folder, "stray.txt"), "w") as f:
+            f.write("not written by the save")
+
+    objects = {"model_tp00_pp000.pt": "weights", "rng_rank00000.pt": "rng"}
+    folder, written = save.write_and_publish(objects, config, state, 2, 16, on_written=lose_one_and_add_a_stray)
+    with open(os.path.join(folder, "manifest.json")) as f:
+        listed = json.load(f)["files"]
+    assert sorted(listed) == ["config.json", "meta.json", "model_tp00_pp000.pt", "rng_rank00000.pt"]
+    assert listed["model_tp00_pp000.pt"]["size"] == len("weights") and written == len("weights") + len("rng")
+    assert verify_checkpoint(folder) == f"{os.path.join(folder, 'rng_rank00000.pt')} is missing"
