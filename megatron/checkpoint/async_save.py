@@ -62,6 +62,7 @@ class AsyncSaver:
         self.iteration = None  # of the save in flight, or of the last one finished
         self.error = None
         self.done = False
+        self.seconds = self.written = None  # of the last background write that finished: time, this rank's bytes
 
     def start(self, engine, config, state, iteration, consumed_samples, tokenizer=None, on_written=None):
         """Snapshots this rank's state into host memory (blocking), then writes it in a thread. The caller has
@@ -84,6 +85,7 @@ class AsyncSaver:
                                              f"{iteration} failed ({type(err).__name__}: {err})")
                 return
             seconds = time.perf_counter() - start
+            self.seconds, self.written = seconds, written
             if state.rank == 0:
                 logger.info("checkpoint iteration %d written in the background in %.2f s (rank 0: %.3f GB, "
                             "%.2f GB/s)", iteration, seconds, written / 1e9, written / 1e9 / max(seconds, 1e-9))

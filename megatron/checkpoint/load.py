@@ -43,6 +43,8 @@ class ResumeState:
     consumed_samples: int = 0
     rng_state: dict = None
     finished: bool = False  # the checkpoint is the run's last: nothing was loaded, nothing is to be trained
+    verify_seconds: float = None  # the ranks' shared checksum pass
+    load_seconds: float = None  # reading the files into the engine, after verification
 
 
 def set_rng_state(state):
@@ -209,10 +211,12 @@ def load_checkpoint(engine, config, state):
     rng = None
     if not ckpt.no_load_rng and not layout_change and os.path.isfile(rng_path):
         rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+    load_seconds = time.perf_counter() - start
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("resumed from %s at iteration %d (verified in %.2f s, loaded in %.2f s)", folder,
-                    meta["iteration"], verify_seconds, time.perf_counter() - start)
-    return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
+                    meta["iteration"], verify_seconds, load_seconds)
+    return ResumeState(meta["iteration"], meta["consumed_samples"], rng, verify_seconds=verify_seconds,
+                       load_seconds=load_seconds)
 
 
 def _restore_on_new_layout(engine, folder, meta, config, state):
