@@ -208,3 +208,21 @@ def test_the_manifest_lists_what_the_ranks_reported_not_what_the_folder_holds(tm
     assert sorted(listed) == ["config.json", "meta.json", "model_tp00_pp000.pt", "rng_rank00000.pt"]
     assert listed["model_tp00_pp000.pt"]["size"] == len("weights") and written == len("weights") + len("rng")
     assert verify_checkpoint(folder) == f"{os.path.join(folder, 'rng_rank00000.pt')} is missing"
+
+
+def test_a_finished_run_is_recognised_by_iterations_or_by_samples():
+    from megatron.checkpoint.load import finished_message
+
+    def run(train_iters, train_samples=None):
+        return SimpleNamespace(training=SimpleNamespace(train_iters=train_iters),
+                               upstream=SimpleNamespace(train_samples=train_samples),
+                               checkpoint=SimpleNamespace(load="ckpt"))
+
+    meta = {"iteration": 12, "consumed_samples": 96}
+    assert finished_message(meta, run(12)) == ("--load ckpt: the run is finished (checkpoint at iteration 12, "
+                                               "--train-iters 12); nothing to train or save")
+    assert finished_message(meta, run(13)) is None  # one more iteration to train
+    assert finished_message(meta, run(20, train_samples=96)) == (
+        "--load ckpt: the run is finished (checkpoint at 96 consumed samples, --train-samples 96); nothing to train "
+        "or save")
+    assert finished_message(meta, run(20, train_samples=97)) is None
