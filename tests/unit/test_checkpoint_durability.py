@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.checkpoint import io, save
-from megatron.checkpoint.format import candidate_folders, find_checkpoint, read_latest, tag_for, verify_checkpoint
+from megatron.checkpoint.format import find_checkpoint, read_latest, tag_for, verify_checkpoint
 
 CRASHED = 86
 

@@ -5,7 +5,6 @@ import json
 import os
 import time
 
-import torch
 
 from megatron.checkpoint import format as fmt
 from megatron.checkpoint import verify
