@@ -63,7 +63,7 @@ def _warn_once(message, *args):
 
 def finished_message(meta, config):
     """One line when the checkpoint already holds the whole run (--train-iters, or --train-samples consumed),
-    else None: relaunching a finished run writes nothing."""
+    else None: relaunching a finished run writes nothing. Not asked with --finetune or --eval-only."""
     training, upstream = config.training, config.upstream
     if meta["iteration"] >= training.train_iters:
         return (f"--load {config.checkpoint.load}: the run is finished (checkpoint at iteration {meta['iteration']}, "
@@ -170,7 +170,7 @@ def load_checkpoint(engine, config, state):
         _warn_once("--load %s: no checkpoint found, starting from scratch", ckpt.load)
         return ResumeState()
     meta = read_meta(folder)
-    message = None if ckpt.finetune else finished_message(meta, config)
+    message = None if ckpt.finetune or config.upstream.eval_only else finished_message(meta, config)
     if message:
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.info("%s", message)
