@@ -49,9 +49,6 @@ class Comm:
     group: object = None
     device: object = None
 
-    def rank(self):
-        return dist.get_rank() if dist.is_initialized() else 0
-
 
 def _agree_on_failure(error, state, comm=None):
     """Collective: the lowest rank whose step failed (None when none did). Doubles as a barrier."""
