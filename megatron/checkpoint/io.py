@@ -168,7 +168,7 @@ def trash_name(path):
 
 def remove_durably(path):
     """Deletes a folder or file: renamed to its trash name (durable), then removed. A crash in between leaves
-    only the trash name, which remove_trash clears later."""
+    only the trash name, which the next save (save.clean_root) or conversion (atomic_folder) removes."""
     trash = trash_name(path)
     _remove(trash)  # an older leftover of the same name
     os.replace(path, trash)
@@ -209,19 +209,6 @@ def replace_folder(new, final):
     fsync_dir(parent)
     crash_point("renamed into place")
     _remove(trash)
-
-
-def remove_trash(root, keep=()):
-    """Removes the trash folders and files in root (TRASH_PREFIX) left by a crash, except names in keep.
-    Returns the names removed."""
-    names = sorted(n for n in os.listdir(root) if n.startswith(TRASH_PREFIX)) if os.path.isdir(root) else []
-    removed = []
-    for name in names:
-        if name[len(TRASH_PREFIX):] in keep:
-            continue
-        _remove(os.path.join(root, name))
-        removed.append(name)
-    return removed
 
 
 # ---------------------------------------------------------------- atomic output folders (conversions)
