@@ -125,9 +125,13 @@ def snapshot(engine, config, state, host=None):
             objects[name] = _host_copy(saved, host, (name,)) if host is not None else saved
             objects[index_name(state.tp_rank, state.pp_rank, state.dp_rank)] = index_text(step, params)
             del saved
-    if state.dp_rank == 0:
-        objects[shard_name(state.tp_rank, state.pp_rank)] = model_shard(
-            engine.module, config.model.num_layers, config.training.zero_stage, state.pp_rank, host)
+    zero3 = config.training.zero_stage == 3  # gathering ZeRO-3's parameters is collective: every rank takes part
+    if state.dp_rank == 0 or zero3:
+        shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage, state.pp_rank,
+                            host if state.dp_rank == 0 else None)
+        if state.dp_rank == 0:
+            objects[shard_name(state.tp_rank, state.pp_rank)] = shard
+        del shard
     name = rng_name(state.rank)
     objects[name] = _host_copy(rng_state(), host, (name,)) if host is not None else rng_state()
     if host is not None:
