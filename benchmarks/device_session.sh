@@ -2,7 +2,7 @@
 # One GPU-machine call for the inference and checkpoint figures: GPU tests, generation speed (with a profile),
 # serving speed, and the 1.72B checkpoint save (size and time). Each part is time-bounded; logs go to $OUT.
 # Usage (device tool, .whl carried): bash benchmarks/device_session.sh [parts...]  (default: all of
-#   generation tests checkpoint serving, in that order of priority)
+#   generation tests checkpoint serving, in that order of priority; async_save on request)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
@@ -29,6 +29,12 @@ for part in $parts; do
         --micro-batch-size 1 --global-batch-size 1 --bf16 --deepspeed --save /tmp/ckpt_size \
         --output "$OUT/checkpoint.json" > "$OUT/checkpoint.log" 2>&1
       tail -15 "$OUT/checkpoint.log" ;;
+    async_save)  # sync vs --async-save blocked time, background write, verify and load (the JSON grows as it goes)
+      timeout 290 deepspeed --num_gpus 1 benchmarks/async_save.py --num-layers 24 --hidden-size 2048 \
+        --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --pad-vocab-size-to 250880 \
+        --micro-batch-size 1 --global-batch-size 1 --bf16 --deepspeed --save /tmp/ckpt_async \
+        --output "$OUT/async_save.json" > "$OUT/async_save.log" 2>&1
+      grep -v "^\[W" "$OUT/async_save.log" | grep -E "snapshot|background|verified|resumed|checkpoint save|async_save:" ;;
   esac
   echo "== $part: $(( $(date +%s) - start )) s"
 done

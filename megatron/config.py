@@ -413,6 +413,15 @@ class CheckpointConfig:
     keep_last_n_checkpoints: Optional[int] = flag(None, "delete older checkpoints beyond this many",
                                                   default_text="keep all")
     strict_load: bool = flag(False, "stop instead of falling back to an older checkpoint")
+    async_save: bool = flag(False, "write checkpoints in the background: the state is copied to host memory and "
+                            "training goes on while a thread writes it (one save in flight)")
+    checkpoint_verify_timeout_minutes: int = flag(60, "time budget of the parallel checksum of a checkpoint before "
+                                                  "it is loaded (apart from --distributed-timeout-minutes)")
+
+    def __post_init__(self):
+        if self.checkpoint_verify_timeout_minutes < 1:
+            raise ConfigError(f"--checkpoint-verify-timeout-minutes {self.checkpoint_verify_timeout_minutes} must "
+                              "be at least 1")
 
 
 # ---------------------------------------------------------------- upstream compatibility (issue 21)

@@ -29,7 +29,8 @@ import torch
 
 from megatron.checkpoint.format import (check_shapes, expected_shapes, is_tag_folder, model_config_from_dict,
                                         partition_dim, read_latest, shard_name, tag_for, verify_checkpoint)
-from megatron.checkpoint.io import atomic_folder, fsync_tree, torch_save_synced, write_manifest, write_text_synced
+from megatron.checkpoint.io import (atomic_folder, fsync_tree, listed_entries, torch_save_synced, write_manifest,
+                                    write_text_synced)
 from megatron.checkpoint.streams import OpenFiles, narrow, owned, span_bytes, window, window_ranges
 from megatron.config import ModelConfig
 from megatron.file_modes import apply_umask
@@ -373,9 +374,11 @@ def write_checkpoint_folder(out, iteration, stages, tp, write_rank, run_config, 
             written[name] = write_text_synced(json.dumps(obj, indent=2, default=str), os.path.join(folder, name))
         if has_tokenizer(tokenizer_dir):
             copy_tokenizer(tokenizer_dir, os.path.join(folder, "tokenizer"))
+            written.update({os.path.join("tokenizer", rel): entry
+                            for rel, entry in listed_entries(os.path.join(folder, "tokenizer")).items()})
         apply_umask(tmp)  # the copied tokenizer files keep their source's mode otherwise
         fsync_tree(folder)
-        write_manifest(folder, iteration, written)
+        write_manifest(folder, iteration, written)  # what this tool wrote, not a listing of the folder
         if not is_tag:
             with open(os.path.join(tmp, "latest"), "w") as f:
                 f.write(tag)

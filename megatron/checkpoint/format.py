@@ -42,7 +42,8 @@ from megatron.model.spec import expected_shapes, partition_dim  # noqa: F401 (re
 
 logger = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
-TMP_PREFIX = ".tmp_"
+TMP_PREFIX = ".tmp_"  # a save or conversion in progress (or one that crashed): never loaded
+TRASH_PREFIX = ".trash_"  # renamed aside to be deleted (pruned, replaced)
 MANIFEST = "manifest.json"
 
 
@@ -90,29 +91,49 @@ def file_crc32(path, chunk=1 << 24):
             value = zlib.crc32(block, value)
 
 
-def verify_checkpoint(folder):
-    """None if the folder is a complete checkpoint, else the reason (a one-line string naming the file)."""
+def read_manifest(folder):
+    """(files, None) with files {relative path: {"size", "crc32"}} from folder's manifest, or (None, reason)."""
     manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.isdir(folder):
+        return None, f"{folder} does not exist"
     if not os.path.isfile(manifest_path):
-        return f"{manifest_path} is missing (the save did not finish)"
+        return None, f"{manifest_path} is missing (the save did not finish)"
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
         files = manifest["files"]
         if not isinstance(files, dict) or not files:
-            return f"{manifest_path} lists no files"
+            return None, f"{manifest_path} lists no files"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        return f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
+        return None, f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
     for rel, info in files.items():
-        path = os.path.join(folder, rel)
         if not isinstance(info, dict) or "size" not in info or "crc32" not in info:
-            return f"{manifest_path} has a malformed entry for {rel}"
-        if not os.path.isfile(path):
-            return f"{path} is missing"
-        if os.path.getsize(path) != info["size"]:
-            return f"{path} has {os.path.getsize(path)} bytes, the manifest says {info['size']} (truncated?)"
-        if file_crc32(path) != info["crc32"]:
-            return f"{path} does not match its checksum (corrupt)"
+            return None, f"{manifest_path} has a malformed entry for {rel}"
+    return files, None
+
+
+def verify_file(folder, rel, info):
+    """None if folder/rel has the manifest entry's size and CRC32, else the reason (one line)."""
+    path = os.path.join(folder, rel)
+    if not os.path.isfile(path):
+        return f"{path} is missing"
+    if os.path.getsize(path) != info["size"]:
+        return f"{path} has {os.path.getsize(path)} bytes, the manifest says {info['size']} (truncated?)"
+    if file_crc32(path) != info["crc32"]:
+        return f"{path} does not match its checksum (corrupt)"
+    return None
+
+
+def verify_checkpoint(folder):
+    """None if the folder is a complete checkpoint, else the reason (a one-line string naming the file). One
+    process reads every byte; a training run splits the work over its ranks (megatron/checkpoint/verify.py)."""
+    files, reason = read_manifest(folder)
+    if reason:
+        return reason
+    for rel, info in files.items():
+        reason = verify_file(folder, rel, info)
+        if reason:
+            return reason
     return None
 
 
@@ -136,22 +157,33 @@ def is_tag_folder(path):
     return TAG_RE.match(os.path.basename(os.path.normpath(path))) is not None
 
 
-def find_checkpoint(root, strict=False):
+def candidate_folders(root):
+    """The folders --load would try, in order: `latest`'s, then the others newest first. When `latest`'s folder
+    is missing but its trash name holds it (a crash between the two renames of a replacement on a file system
+    without an atomic swap, io.replace_folder), that one stands in."""
+    latest = read_latest(root)
+    out = []
+    for tag in ([latest] if latest else []) + [t for t in list_checkpoints(root) if t != latest]:
+        folder = os.path.join(root, tag)
+        aside = os.path.join(root, TRASH_PREFIX + tag)
+        out.append((tag, aside if tag == latest and not os.path.isdir(folder) and os.path.isdir(aside) else folder))
+    return out
+
+
+def find_checkpoint(root, strict=False, verify=verify_checkpoint):
     """The folder to resume from: `latest` if it verifies, else the newest complete one (logged).
 
     With strict=True any problem with `latest` raises CheckpointError instead of falling back. Folders
-    named .tmp_* (saves that did not finish) are never candidates.
+    named .tmp_* (saves that did not finish) are never candidates. verify(folder) -> None or the reason.
+    A training run checks the same candidates with its ranks sharing the reads (verify.choose_checkpoint).
     """
     if is_tag_folder(root) and os.path.isdir(root):
-        reason = verify_checkpoint(root)
+        reason = verify(root)
         if reason:
             raise CheckpointError(f"--load {root}: checkpoint is incomplete or corrupt: {reason}")
         return root
-    latest = read_latest(root)
-    candidates = ([latest] if latest else []) + [t for t in list_checkpoints(root) if t != latest]
-    for tag in candidates:
-        folder = os.path.join(root, tag)
-        reason = verify_checkpoint(folder) if os.path.isdir(folder) else f"{folder} does not exist"
+    for tag, folder in candidate_folders(root):
+        reason = verify(folder)
         if reason is None:
             return folder
         if strict:

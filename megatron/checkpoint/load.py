@@ -19,12 +19,14 @@ resumed by upstream_resume.py.
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from megatron.checkpoint import optimizer_state
-from megatron.checkpoint.format import (CheckpointError, converted, find_checkpoint, has_parameter_index,
+from megatron.checkpoint import verify
+from megatron.checkpoint.format import (CheckpointError, converted, has_parameter_index,
                                         layout_text, optimizer_name, read_meta, read_saved_config, rng_name,
                                         saved_layout_text, shard_name)
 from megatron.checkpoint.saved_optimizer import SavedOptimizer, target_slice
@@ -40,6 +42,9 @@ class ResumeState:
     iteration: int = 0
     consumed_samples: int = 0
     rng_state: dict = None
+    finished: bool = False  # the checkpoint is the run's last: nothing was loaded, nothing is to be trained
+    verify_seconds: float = None  # the ranks' shared checksum pass
+    load_seconds: float = None  # reading the files into the engine, after verification
 
 
 def set_rng_state(state):
@@ -56,19 +61,17 @@ def _warn_once(message, *args):
         logger.warning(message, *args)
 
 
-def choose_checkpoint(root, strict=False):
-    """find_checkpoint on rank 0 (one pass of CRC32s, not one per rank), its answer or error sent to all."""
-    answer = [None, None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            answer[0] = find_checkpoint(root, strict)
-        except RuntimeError as err:
-            answer[1] = str(err)
-    if dist.is_initialized():
-        dist.broadcast_object_list(answer, src=0)
-    if answer[1] is not None:
-        raise CheckpointError(answer[1])
-    return answer[0]
+def finished_message(meta, config):
+    """One line when the checkpoint already holds the whole run (--train-iters, or --train-samples consumed),
+    else None: relaunching a finished run writes nothing. Not asked with --finetune or --eval-only."""
+    training, upstream = config.training, config.upstream
+    if meta["iteration"] >= training.train_iters:
+        return (f"--load {config.checkpoint.load}: the run is finished (checkpoint at iteration {meta['iteration']}, "
+                f"--train-iters {training.train_iters}); nothing to train or save")
+    if upstream.train_samples and meta["consumed_samples"] >= upstream.train_samples:
+        return (f"--load {config.checkpoint.load}: the run is finished (checkpoint at {meta['consumed_samples']} "
+                f"consumed samples, --train-samples {upstream.train_samples}); nothing to train or save")
+    return None
 
 
 def _read_engine_state(folder, tp_rank, pp_rank, dp_rank, mmap=False):
@@ -164,13 +167,20 @@ def load_checkpoint(engine, config, state):
     if upstream_folder is not None:  # BigScience / Microsoft Megatron-DeepSpeed's layout
         from megatron.checkpoint import upstream_resume
         return ResumeState(*upstream_resume.resume(engine, config, state, upstream_folder))
-    folder = choose_checkpoint(ckpt.load, strict=ckpt.strict_load)
+    folder, verify_seconds = verify.choose_checkpoint(ckpt.load, ckpt.strict_load,
+                                                      ckpt.checkpoint_verify_timeout_minutes)
     if folder is None:
         if ckpt.strict_load or ckpt.finetune:
             raise CheckpointError(f"--load {ckpt.load}: no complete checkpoint found")
         _warn_once("--load %s: no checkpoint found, starting from scratch", ckpt.load)
         return ResumeState()
     meta = read_meta(folder)
+    message = None if ckpt.finetune or config.upstream.eval_only else finished_message(meta, config)
+    if message:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("%s", message)
+        return ResumeState(meta["iteration"], meta["consumed_samples"], finished=True)
+    start = time.perf_counter()
     same_layout = (meta.get("deepspeed_state") and not converted(meta) and
                    meta["tensor_model_parallel_size"] == state.tensor_model_parallel_size and
                    meta["pipeline_model_parallel_size"] == state.pipeline_model_parallel_size and
@@ -207,8 +217,12 @@ def load_checkpoint(engine, config, state):
     rng = None
     if not ckpt.no_load_rng and not layout_change and os.path.isfile(rng_path):
         rng = torch.load(rng_path, map_location="cpu", weights_only=False)
-    logger.info("resumed from %s at iteration %d", folder, meta["iteration"])
-    return ResumeState(meta["iteration"], meta["consumed_samples"], rng)
+    load_seconds = time.perf_counter() - start
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("resumed from %s at iteration %d (verified in %.2f s, loaded in %.2f s)", folder,
+                    meta["iteration"], verify_seconds, load_seconds)
+    return ResumeState(meta["iteration"], meta["consumed_samples"], rng, verify_seconds=verify_seconds,
+                       load_seconds=load_seconds)
 
 
 def _restore_on_new_layout(engine, folder, meta, config, state):

@@ -8,6 +8,7 @@ through callbacks (callbacks.Callback): the fault-injection tests pass theirs in
 import dataclasses
 import logging
 import math
+import os
 import time
 
 import torch
@@ -169,6 +170,13 @@ class Trainer:
         ckpt = config.checkpoint
         self.progress = Progress(start.iteration, start.consumed_samples,
                                  last_good=(start.iteration, ckpt.load) if ckpt.load and start.iteration else None)
+        if ckpt.save and ckpt.load and start.iteration and _same_folder(ckpt.save, ckpt.load):
+            self.progress.last_saved = start.iteration  # that checkpoint is in --save already: never written again
+        self.finished = start.finished  # the checkpoint holds the whole run: train() does nothing
+        self.saver = None
+        if ckpt.save and ckpt.async_save:
+            from megatron.checkpoint.async_save import AsyncSaver
+            self.saver = AsyncSaver(config.parallel.distributed_timeout_minutes)
         self.train_ds, self.valid_ds, _ = datasets
         self.data_iter = self._batches(self.train_ds, start.consumed_samples, config.data.num_workers)
         if start.rng_state is not None:
@@ -212,6 +220,9 @@ class Trainer:
     def train(self):
         from megatron.core.tensor_parallel import comm_timing
         training, monitoring, upstream = self.config.training, self.config.monitoring, self.config.upstream
+        if self.finished:  # load.finished_message said so, once: nothing to train, evaluate or save
+            return {"iteration": self.progress.iteration, "consumed_samples": self.progress.consumed_samples,
+                    "losses": {}, "exit_reason": "already finished"}
         self.writer = MetricsWriter(self.config.logging, self.state.rank, monitoring, self.progress.iteration,
                                     dataclasses.asdict(self.config), monitoring.log_timers_to_tensorboard,
                                     max_queue=upstream.tensorboard_queue_size)
@@ -250,13 +261,16 @@ class Trainer:
                     exit_reason = "kill switch"
                     break
             if exit_reason == "kill switch":  # upstream's semantics: exit at once, no evaluation, no save
+                self.wait_for_save()
                 self.writer.close()
                 return self._summary(exit_reason)
             evaluated_last = training.eval_interval and self.progress.iteration % training.eval_interval == 0
             if exit_reason == "finished" and training.eval_iters > 0 and not evaluated_last:
                 self._evaluate()
-            self.save()
+            self.save(final=True)
         finally:
+            if self.saver is not None and self.saver.in_flight():  # an error left a background save running
+                self._wait_quietly()
             self._training = False
             comm_timing.set_collective_observer(previous_observer)
             self.writer.close()
@@ -468,19 +482,49 @@ class Trainer:
                     loss, ppl, 1000 * seconds)
         self.writer.write("valid", {"iteration": iteration, "lm_loss": loss, "ppl": ppl, "ms": 1000 * seconds})
 
-    def save(self):
-        """Saves the current iteration to --save (once per iteration; nothing without --save)."""
+    def save(self, final=False):
+        """Saves the current iteration to --save (once per iteration; nothing without --save). With --async-save
+        the state is copied to host memory and written in the background (the previous background save waited for
+        first); the final save of a run is written before returning."""
         progress, ckpt = self.progress, self.config.checkpoint
+        if self.saver is not None:
+            self.wait_for_save()
         if not ckpt.save or progress.last_saved == progress.iteration:
             return
         iteration = progress.iteration
-        _, seconds = self._timed_apart(lambda: checkpoint_save.save_checkpoint(
-            self.engine, self.config, self.state, iteration, progress.consumed_samples, self.tokenizer,
-            on_written=lambda folder: self.callbacks("on_checkpoint_written", self, iteration)))
-        logger.info("checkpoint save at iteration %d | time (ms): %.1f | (not counted in the throughput)",
-                    iteration, 1000 * seconds)
+        on_written = lambda folder: self.callbacks("on_checkpoint_written", self, iteration)  # noqa: E731
+        if self.saver is None or final:
+            _, seconds = self._timed_apart(lambda: checkpoint_save.save_checkpoint(
+                self.engine, self.config, self.state, iteration, progress.consumed_samples, self.tokenizer,
+                on_written=on_written))
+            logger.info("checkpoint save at iteration %d | time (ms): %.1f | (not counted in the throughput)",
+                        iteration, 1000 * seconds)
+            progress.last_good = (iteration, ckpt.save)
+        else:
+            copied, seconds = self._timed_apart(lambda: self.saver.start(
+                self.engine, self.config, self.state, iteration, progress.consumed_samples, self.tokenizer,
+                on_written))
+            logger.info("checkpoint snapshot at iteration %d | time (ms): %.1f | %.3f GB copied to host memory on "
+                        "rank 0, written in the background", iteration, 1000 * seconds, copied / 1e9)
         progress.last_saved = iteration
-        progress.last_good = (iteration, ckpt.save)
+
+    def wait_for_save(self):
+        """Waits for the background save in flight (--async-save); its failure raises here (CheckpointError),
+        on every rank at the same iteration. The time waited is left out of the throughput window."""
+        if self.saver is None or not self.saver.in_flight():
+            return
+        done, seconds = self._timed_apart(self.saver.wait)
+        if seconds > 0.001:
+            logger.info("waited %.1f ms for the background save of iteration %d", 1000 * seconds, done)
+        self.progress.last_good = (done, self.config.checkpoint.save)
+
+    def _wait_quietly(self):
+        """On the way out after an error: the background save finishes (or fails, logged) before the process
+        exits, so its folder is either complete or a .tmp_* that the next save removes."""
+        try:
+            self.saver.wait()
+        except Exception as err:  # noqa: BLE001 - the error already propagating is the one to report
+            logger.error("%s", err)
 
     def _exit_reason(self):
         training, iteration = self.config.training, self.progress.iteration
@@ -500,3 +544,7 @@ class Trainer:
         iteration, root = last_good
         return (f"The last good checkpoint, {tag_for(iteration)} in {root}, is intact: fix the "
                 f"cause and relaunch with --load {root}.")
+
+
+def _same_folder(a, b):
+    return os.path.realpath(a) == os.path.realpath(b)

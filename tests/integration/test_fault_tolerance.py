@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron.checkpoint.format import read_latest, verify_checkpoint
+from megatron.checkpoint.format import file_crc32, read_latest, verify_checkpoint
 from tests.launch import DEEPSPEED, ROOT, TEST_LAUNCHER, TINY_MODEL, TOKENIZER, _cleanup_shm, _free_port, env, \
     read_losses, run_pretrain
 
@@ -241,3 +241,42 @@ def test_unwritable_save_is_refused_at_start_up(tmp_path, sample_data):
     proc = run_pretrain(args(sample_data, tmp_path, "--save", str(a_file / "ckpt")), 1, check=False, timeout=120)
     assert proc.returncode == 2
     assert f"--save {a_file / 'ckpt'} is not writable" in proc.stderr
+
+
+def files_state(folder):
+    """{relative path: (mtime_ns, CRC32)} of every file under folder."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, folder)] = (os.stat(path).st_mtime_ns, file_crc32(path))
+    return out
+
+
+@pytest.mark.slow
+def test_async_save_killed_mid_write_resumes_exactly_and_relaunching_the_finished_run_writes_nothing(
+        tmp_path, sample_data, straight):
+    cmd = resumable(sample_data, tmp_path, "--save-interval", "2", "--keep-last-n-checkpoints", "2", "--async-save")
+    save = tmp_path / "ckpt"
+    # rank 1 dies in the background writer of iteration 6, its files written, before the manifest
+    proc = run_pretrain(cmd, 2, faults="kill_at=6:rank=1:phase=save", check=False, timeout=120)
+    assert proc.returncode != 0 and "SIGKILL at iteration 6, phase save, rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "checkpoint snapshot at iteration 4" in proc.stderr
+    assert "checkpoint iteration 4 written in the background" in proc.stderr
+    assert read_latest(str(save)) == "iter_0000004" and verify_checkpoint(str(save / "iter_0000004")) is None
+
+    final = run_pretrain(cmd, 2, timeout=120)
+    assert f"resumed from {save / 'iter_0000004'} at iteration 4" in final.stderr
+    assert read_latest(str(save)) == "iter_0000012"
+    assert sorted(os.listdir(save)) == ["iter_0000010", "iter_0000012", "latest"]
+    assert_same_curve(tmp_path / "metrics.jsonl", straight)  # async snapshots resume exactly as sync ones
+
+    before, records = files_state(save), len(all_records(tmp_path / "metrics.jsonl"))
+    again = run_pretrain(cmd, 2, timeout=120)
+    assert again.returncode == 0
+    said = [line for line in again.stderr.splitlines() if "finished" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"--load {save}: the run is finished (checkpoint at iteration 12, --train-iters 12); nothing to train or "
+        "save"), said
+    assert files_state(save) == before and sorted(os.listdir(save)) == ["iter_0000010", "iter_0000012", "latest"]
+    assert len(all_records(tmp_path / "metrics.jsonl")) == records
