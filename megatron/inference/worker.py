@@ -291,14 +291,19 @@ class EngineWorker:
                 updates.append((row, new, None))
         self._post(updates)
 
+    def _queued_commands(self):
+        """Takes every command queued now, in order."""
+        commands = []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
     def _drain_adds(self):
         """The rows of every queued "add" (other commands stay queued, in order)."""
         rows, keep = [], []
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for kind, payload in self._queued_commands():
             if kind == "add":
                 rows += payload
             else:
@@ -310,11 +315,7 @@ class EngineWorker:
     def _fail_queued(self):
         """After the thread has ended: answer every queued row and scoring call (nothing is queued after this)."""
         rows = []
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for kind, payload in self._queued_commands():
             if kind == "add":
                 rows += payload
             elif kind == "score":

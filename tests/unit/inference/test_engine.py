@@ -2,31 +2,13 @@
 per-row eod stop; continuous batching; seeded sampling reproducible and independent of the batch; bad requests."""
 import pytest
 import torch
-from transformers import BloomConfig, BloomForCausalLM
 
-from megatron.config import ModelConfig
 from megatron.inference import InferenceEngine, SamplingParams
 from megatron.inference.reference import generate as reference_generate
 from megatron.inference.sampling import filter_logits, filter_rows, hashed_uniform, sample_rows
-from megatron.model import BloomModel
-from megatron.model.hf_bloom import from_hf_state_dict
 
-VOCAB = 256
 # different lengths, one longer than the prefill chunk used below (so it is prefilled in chunks)
 PROMPTS = [[17, 90, 45, 200, 33, 12, 8], [150, 61], [99, 98, 97, 96], list(range(10, 50))]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """A random HF BLOOM with large weights (so greedy decoding does not just repeat) and our copy."""
-    torch.manual_seed(0)
-    hf = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=4, initializer_range=1.0,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=3)).eval()
-    config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=128,
-                         attention_impl="torch")
-    ours = BloomModel(config, parallel_output=False).eval()
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
-    return hf, ours
 
 
 def hf_greedy(hf, prompt, max_new_tokens, eos=None):
