@@ -31,8 +31,8 @@ from torch import nn
 
 from megatron.core import tensor_parallel
 from megatron.fused_kernels import elementwise
-from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model import attention
+from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model.attention import CoreAttention
 
 
