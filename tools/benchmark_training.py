@@ -301,7 +301,8 @@ def main(argv=None):
             results[label] = result
             mem = result["peak_memory_gib"]
             print(f"side {label}: {result['tokens_per_second']:.1f} tokens/s, {result['model_tflops']:.2f} TFLOP/s"
-                  + (f", peak {mem:.1f} GiB" if mem is not None else ""), flush=True)
+                  + (f", peak {mem:.1f} GiB" if mem is not None else "")
+                  + ", losses " + " ".join(f"{loss:.4f}" for loss in result["losses"]), flush=True)
     shape = SMALL_MODEL if args.small else DOC_MODEL
     print(f"model {shape}, micro batch {args.micro_batch_size}, accumulation {args.grad_accum}, "
           f"checkpoint activations {args.checkpoint_activations}, attention {args.attention_impl}")
