@@ -28,7 +28,7 @@ for stage in "${@:-tests bench}"; do for stage in $stage; do
       tail -15 "$OUT/tests.log" ;;
     blocks)
       python3 tools/benchmark_training.py --skip-hf --ab --iters 2 --warmup-iters 1 --output "$OUT/blocks.json" \
-        2>&1 | tee "$OUT/blocks.log" | grep -E "^side |failed|Error"
+        2>&1 | tee "$OUT/blocks.log" | grep --line-buffered -E "^side |failed|Error"
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_elementwise.py \
         -k "compiled_blocks_model_equals_eager or compiled_blocks_under" > "$OUT/blocks_tests.log" 2>&1
       tail -4 "$OUT/blocks_tests.log" ;;
