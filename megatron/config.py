@@ -100,9 +100,14 @@ class ModelConfig:
                                choices=ATTENTION_IMPLS)
     checkpoint_activations: bool = flag(False, "recompute each layer's activations in the backward pass")
     fused_layernorm: bool = flag(False, "csrc mixed-precision LayerNorm (CUDA)")
-    fused_elementwise: bool = flag(True, "training on CUDA: the block's bias + GeLU and bias + dropout + residual "
-                                   "(+ LayerNorm) as torch.compile'd fused regions",
+    fused_elementwise: bool = flag(False, "training on CUDA: the block's bias + GeLU and bias + dropout + residual "
+                                   "(+ LayerNorm) as three torch.compile'd fused regions per block (measured "
+                                   "slower than off on the H200: host overhead per region call)",
                                    negation="--no-fused-elementwise")
+    compile_blocks: bool = flag(False, "training on CUDA at TP 1 without dropout: each transformer block's forward "
+                                "(LayerNorms, QKV, FlexAttention/SDPA, dense, MLP, residuals) as one "
+                                "torch.compile'd region, reused by every layer; elsewhere the block runs as "
+                                "without it (--fused-elementwise's regions if on, else eager)")
     abort_on_unmet_fused_kernel_constraints: bool = flag(
         False, "stop instead of falling back when a fused kernel cannot serve this configuration")
     loss_chunk_size: int = flag(0, "tokens per chunk of the LM head + loss (0: whole micro batch at once; PP 1 "

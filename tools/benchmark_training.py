@@ -2,7 +2,7 @@
 
     python tools/benchmark_training.py                       # the document's 1.72B model, micro 4, accumulation 8
     python tools/benchmark_training.py --ab --hf-compile --profile
-                                  # ours with the fused elementwise regions off and on, HF eager, HF + torch.compile
+                                  # ours eager, with --compile-blocks, with --fused-elementwise; HF eager and compiled
     python tools/benchmark_training.py --skip-hf --attention-variants flex,flex-safe,sdpa-cudnn
     python tools/benchmark_training.py --small --iters 2     # tiny model for a CPU smoke test
 
@@ -63,8 +63,10 @@ def parse_args(argv=None):
                    help="also run HF BloomForCausalLM wrapped in torch.compile (same shapes, bf16 autocast, "
                         "fused AdamW)")
     p.add_argument("--ab", action="store_true",
-                   help="also run ours with --no-fused-elementwise (the unfused elementwise ops)")
-    p.add_argument("--no-fused-elementwise", action="store_true", help="ours: the unfused elementwise ops")
+                   help="also run ours with --compile-blocks (ours-block: one compiled region per block) and with "
+                        "--fused-elementwise (ours-regions: three compiled regions per block)")
+    p.add_argument("--fused-elementwise", action="store_true", help="ours: the three fused elementwise regions")
+    p.add_argument("--compile-blocks", action="store_true", help="ours: each block as one compiled region")
     p.add_argument("--attention-variants", default=None, metavar="A,B,...",
                    help="also run ours once per attention variant: " + ", ".join(ATTENTION_VARIANTS))
     p.add_argument("--attention-variant", choices=list(ATTENTION_VARIANTS), default=None, help=argparse.SUPPRESS)
@@ -165,8 +167,10 @@ def run_ours(args, shape):
         argv.append("--checkpoint-activations")
     if args.fused_layernorm:
         argv.append("--fused-layernorm")
-    if args.no_fused_elementwise:
-        argv.append("--no-fused-elementwise")
+    if args.fused_elementwise:
+        argv.append("--fused-elementwise")
+    if args.compile_blocks:
+        argv.append("--compile-blocks")
     if args.attention_variant:
         from megatron.model import attention
         variant = ATTENTION_VARIANTS[args.attention_variant]
@@ -250,8 +254,8 @@ def measure(args):
 def plan_sides(args):
     """[(label, child flags)]: ours, then its A/B and attention variants, then HF eager and HF + torch.compile."""
     sides = [("ours", [])]
-    if args.ab:
-        sides.append(("ours-unfused", ["--no-fused-elementwise"]))
+    if args.ab:  # the new path first: a run cut short by a time limit still has it
+        sides += [("ours-block", ["--compile-blocks"]), ("ours-regions", ["--fused-elementwise"])]
     for name in (args.attention_variants.split(",") if args.attention_variants else []):
         if name not in ATTENTION_VARIANTS:
             raise SystemExit(f"--attention-variants: unknown variant {name!r}; choose from "
@@ -293,8 +297,12 @@ def main(argv=None):
     results = {}
     for label, child_flags in plan_sides(args):
         result = _run_side(label, child_flags, base)
-        if result is not None:
+        if result is not None:  # printed as it lands, so a run cut short keeps what it measured
             results[label] = result
+            mem = result["peak_memory_gib"]
+            print(f"side {label}: {result['tokens_per_second']:.1f} tokens/s, {result['model_tflops']:.2f} TFLOP/s"
+                  + (f", peak {mem:.1f} GiB" if mem is not None else "")
+                  + ", losses " + " ".join(f"{loss:.4f}" for loss in result["losses"]), flush=True)
     shape = SMALL_MODEL if args.small else DOC_MODEL
     print(f"model {shape}, micro batch {args.micro_batch_size}, accumulation {args.grad_accum}, "
           f"checkpoint activations {args.checkpoint_activations}, attention {args.attention_impl}")

@@ -138,6 +138,33 @@ def flex_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
                             kernel_options=FLEX_KERNEL_OPTIONS)
 
 
+def block_attention_inputs(core, seq_len, device, dtype):
+    """What a transformer block compiled as a whole (BloomBlock with --compile-blocks) hands to attend_in_graph for
+    self-attention over seq_len positions, built outside the compiled region (cached, shared by every layer):
+    (block_mask, score_mod, None) for flex, (None, None, bias) for sdpa; None where neither serves (another
+    backend, or attention dropout while training)."""
+    if core.training and core.attention_dropout > 0:
+        return None
+    impl = core.impl if core.impl != "auto" else ("flex" if seq_len % 128 == 0 else "sdpa")
+    if impl not in ("flex", "sdpa"):
+        return None
+    if core.slopes.device != device:
+        core.slopes = core.slopes.to(device)
+    if impl == "flex":
+        return _causal_block_mask(seq_len, seq_len, str(device)), _alibi_score_mod(core.slopes), None
+    return None, None, _shared_alibi_bias(_slopes_key(core.slopes), seq_len, seq_len, dtype)
+
+
+def attend_in_graph(q, k, v, scale, block_mask, score_mod, bias):
+    """Causal ALiBi self-attention traced into the caller's torch.compile graph (inputs from
+    block_attention_inputs): FlexAttention lowered by inductor, or SDPA with the shared bias."""
+    if block_mask is not None:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                    kernel_options=FLEX_KERNEL_OPTIONS)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+
 def fused_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
     from megatron import fused_kernels
     scores = torch.matmul(q, k.transpose(-1, -2))  # (B, nh, sq, sk), unscaled

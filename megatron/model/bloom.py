@@ -22,6 +22,7 @@ backward all-reduces the gradient of their inputs (column-parallel layers); the 
 output, the LM head its input gradient, and the loss three (tokens,) fp32 tensors.
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from megatron.core import tensor_parallel
 from megatron.fused_kernels import elementwise
+from megatron.model import attention
 from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model.attention import CoreAttention
 
@@ -107,14 +109,17 @@ class ParallelAttention(nn.Module):
         self.core_attention = CoreAttention(slopes, config.head_dim, config.attention_dropout,
                                             config.attention_impl, config.abort_on_unmet_fused_kernel_constraints)
 
-    def forward(self, x, key_padding_mask=None, layer_cache=None, add_bias=True):
-        """add_bias=False: the dense output without its bias (self.dense.bias), for the block's fused region."""
+    def forward(self, x, key_padding_mask=None, layer_cache=None, add_bias=True, graph_attention=None):
+        """add_bias=False: the dense output without its bias (self.dense.bias), for the block's fused region.
+        graph_attention: attention.block_attention_inputs(...) inside a block compiled as a whole."""
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
         # unbind, not three selects: its backward stacks the three gradients in one kernel, where each select's
         # backward would write a zero-filled full-size qkv gradient and autograd would add the three.
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, nh/p, S, hd)
-        if layer_cache is not None:  # the cache stores k, v and attends over everything it holds
+        if graph_attention is not None:
+            context = attention.attend_in_graph(q, k, v, self.core_attention.scale, *graph_attention)
+        elif layer_cache is not None:  # the cache stores k, v and attends over everything it holds
             context = layer_cache.attend(q, k, v, self.core_attention, key_padding_mask)
         else:
             context = self.core_attention(q, k, v, key_padding_mask)  # (B, nh/p, S, hd)
@@ -149,11 +154,17 @@ class ParallelMLP(nn.Module):
 class BloomBlock(nn.Module):
     """Pre-LN transformer block: x + drop(attn(ln(x))), then + drop(mlp(ln(.))).
 
-    With config.fused_elementwise, training on CUDA (no KV cache), the elementwise work between the GEMMs runs in
-    three fused regions (megatron.fused_kernels.elementwise) with the dense layers' biases folded in: dense bias +
-    dropout + residual + post-attention LayerNorm, h -> 4h bias + GeLU, and 4h -> h bias + dropout + residual.
-    Elsewhere (CPU, evaluation, generation, ZeRO-3's partitioned parameters, which are gathered only inside
-    their own module's forward) the unfused ops below run.
+    Training on CUDA (no KV cache, no ZeRO-3 partitioned parameters, which are gathered only inside their own
+    module's forward), two optional compiled paths:
+      config.compile_blocks     the whole forward below as one torch.compile'd region (one graph shared by every
+                                layer: one compiled call per layer forward and one backward), at TP 1 without
+                                dropout, padding mask or the csrc LayerNorm, attention flex or sdpa;
+      config.fused_elementwise  the elementwise work between the GEMMs in three compiled regions
+                                (megatron.fused_kernels.elementwise) with the dense layers' biases folded in: dense
+                                bias + dropout + residual + post-attention LayerNorm, h -> 4h bias + GeLU, and
+                                4h -> h bias + dropout + residual.
+    compile_blocks serves where it can, then fused_elementwise; elsewhere (CPU, evaluation, generation) the eager
+    ops below run.
     """
 
     def __init__(self, config, layer_number, tp_group=None):
@@ -167,18 +178,38 @@ class BloomBlock(nn.Module):
             self.mlp = ParallelMLP(config, tp_group)
         self.hidden_dropout = config.hidden_dropout
         self.fused_elementwise = config.fused_elementwise
+        self.compile_blocks = config.compile_blocks
 
     def forward(self, x, key_padding_mask=None, layer_cache=None):
-        if (self.fused_elementwise and self.training and x.is_cuda and layer_cache is None
+        if (self.training and x.is_cuda and layer_cache is None
                 and not hasattr(self.post_attention_layernorm.weight, "ds_id")):
-            return self.forward_fused(x, key_padding_mask)
+            graph_attention = self.compiled_block_inputs(x, key_padding_mask)
+            if graph_attention is not None:
+                return compiled_block()(self, x, graph_attention)
+            if self.fused_elementwise:
+                return self.forward_fused(x, key_padding_mask)
+        return self.forward_eager(x, key_padding_mask, layer_cache)
+
+    def compiled_block_inputs(self, x, key_padding_mask=None):
+        """The attention inputs of the compiled block (attention.block_attention_inputs), or None where
+        config.compile_blocks is off or cannot serve this call."""
+        if not self.compile_blocks or key_padding_mask is not None or self.self_attention.tp_size > 1:
+            return None  # TP > 1: the all-reduces are autograd functions outside what dynamo traces whole
+        if self.hidden_dropout > 0 or not isinstance(self.input_layernorm, nn.LayerNorm):
+            return None  # inductor's dropout RNG is not the eager stream; the csrc LayerNorm is not traceable
+        return attention.block_attention_inputs(self.self_attention.core_attention, x.shape[1], x.device, x.dtype)
+
+    def _dropout(self, t):
+        return F.dropout(t, p=self.hidden_dropout, training=True) if self.training and self.hidden_dropout else t
+
+    def forward_eager(self, x, key_padding_mask=None, layer_cache=None, graph_attention=None):
         ln = self.input_layernorm(x)
         residual = ln if self.post_ln_residual else x
-        attn = self.self_attention(ln, key_padding_mask, layer_cache)
-        x = residual + F.dropout(attn, p=self.hidden_dropout, training=self.training)
+        attn = self.self_attention(ln, key_padding_mask, layer_cache, graph_attention=graph_attention)
+        x = residual + self._dropout(attn)
         ln = self.post_attention_layernorm(x)
         residual = ln if self.post_ln_residual else x
-        return residual + F.dropout(self.mlp(ln), p=self.hidden_dropout, training=self.training)
+        return residual + self._dropout(self.mlp(ln))
 
     def forward_fused(self, x, key_padding_mask=None):
         p, training = self.hidden_dropout, self.training
@@ -191,6 +222,18 @@ class BloomBlock(nn.Module):
         residual = ln if self.post_ln_residual else x
         return elementwise.bias_dropout_add(self.mlp(ln, fused=True), self.mlp.dense_4h_to_h.bias, residual, p,
                                             training)
+
+
+def _block_forward(block, x, graph_attention):
+    return block.forward_eager(x, graph_attention=graph_attention)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_block():
+    """BloomBlock.forward_eager as one torch.compile'd region (fixed shapes). The block is an argument, so its
+    parameters are graph inputs and one compiled graph (forward and backward) serves every layer of the same
+    structure; compiled at the first call, again under no_grad (activation checkpointing's first forward)."""
+    return torch.compile(_block_forward, dynamic=False)
 
 
 def parallel_lm_logits(hidden, word_embeddings_weight, tp_group):

@@ -38,6 +38,18 @@ def _with_bf16_overflow_check(ds_config):
     return ds_config
 
 
+def _throughput_timer_unsynchronized(ds_config):
+    """DeepSpeed's throughput timer synchronizes the device in every micro batch's engine.forward and engine.step()
+    (timers.throughput.synchronized, on by default; it times micro batches when no training_data was handed to
+    deepspeed.initialize, as here): two host syncs per micro batch that drain the launch queue. Our log line times
+    the iterations itself, so the timer runs unsynchronized unless the JSON sets the key."""
+    timers = ds_config.get("timers", {})
+    throughput = timers.get("throughput", {})
+    if "synchronized" in throughput:
+        return ds_config
+    return {**ds_config, "timers": {**timers, "throughput": {**throughput, "synchronized": False}}}
+
+
 def setup_engine(config, ds_config, state):
     """(engine, lr_scheduler): our model, param groups, optimizer and schedule inside deepspeed.initialize."""
     import deepspeed
@@ -60,7 +72,7 @@ def setup_engine(config, ds_config, state):
     scheduler = AnnealingLR(optimizer, opt.lr, opt.min_lr, warmup, decay, opt.lr_decay_style, increment=increment,
                             use_checkpoint_schedule=config.upstream.use_checkpoint_lr_scheduler)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_with_bf16_overflow_check(ds_config),
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_throughput_timer_unsynchronized(_with_bf16_overflow_check(ds_config)),
         mpu=DeepSpeedMPU() if state.pipeline_model_parallel_size == 1 else None, dist_init_required=False)
     adapter_for(engine)  # the wrapper's adapter; the unfused one makes DeepSpeed report the true gradient norm
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,6 +1,7 @@
 """The torch.compile'd elementwise regions (megatron.fused_kernels.elementwise) against their unfused references on
-CUDA, forward and gradients, bf16 and fp32, at TP 1 widths and TP-slice widths; and whole blocks / models with
---fused-elementwise on against off (also under activation checkpointing).
+CUDA, forward and gradients, bf16 and fp32, at TP 1 widths and TP-slice widths; whole blocks / models with
+--fused-elementwise on against off (also under activation checkpointing); and --compile-blocks (each block's forward
+as one compiled region, one graph for every layer) against the eager model, also checkpointed.
 
 Tolerances: every result is compared with the fp32 eager reference computed from the same (rounded) inputs.
 fp32: 1e-5 relative to max|ref| (the compiled kernel sums and fuses in another order). bf16: the compiled region
@@ -95,12 +96,13 @@ def test_dropout_runs_eager_and_replays_with_the_rng():
     assert torch.equal(a, want)
 
 
-def run_block(fused, dtype, checkpoint=False, post_ln_residual=False):
+def run_block(fused, dtype, checkpoint=False, post_ln_residual=False, compile_blocks=False):
     from megatron.config import ModelConfig
     from megatron.core import tensor_parallel
     from megatron.model.bloom import BloomBlock
     config = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=4, vocab_size=512, seq_length=256,
-                         fused_elementwise=fused, apply_residual_connection_post_layernorm=post_ln_residual)
+                         fused_elementwise=fused, apply_residual_connection_post_layernorm=post_ln_residual,
+                         compile_blocks=compile_blocks)
     block = BloomBlock(config, 0).cuda().to(dtype).train()
     with torch.no_grad():
         for name, param in block.named_parameters():
@@ -148,16 +150,66 @@ def test_fused_model_loss_and_grads_equal_unfused():
 
     def run(fused, dtype):
         config = ModelConfig(num_layers=3, hidden_size=H, num_attention_heads=4, vocab_size=512, seq_length=256,
-                             fused_elementwise=fused)
+                             **fused)
         torch.manual_seed(0)
         model = BloomModel(config).cuda().to(dtype).train()
         loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
         loss.backward()
         return {"loss": loss.detach().float(), **{name: p.grad.float() for name, p in model.named_parameters()}}
 
-    reference = run(False, torch.float32)
-    unfused, fused = run(False, torch.bfloat16), run(True, torch.bfloat16)
+    reference = run({}, torch.float32)
+    unfused, fused = run({}, torch.bfloat16), run({"fused_elementwise": True}, torch.bfloat16)
     for name, want in reference.items():
         assert want.norm() > 0, name
         rel = lambda got: ((got - want).norm() / want.norm()).item()  # noqa: E731
         assert rel(fused[name]) < 2 * rel(unfused[name]) + 1e-3, (name, rel(fused[name]), rel(unfused[name]))
+
+
+def model_loss_and_grads(dtype, ids, checkpoint=False, **options):
+    from megatron.config import ModelConfig
+    from megatron.model import BloomModel
+    config = ModelConfig(num_layers=3, hidden_size=H, num_attention_heads=4, vocab_size=512, seq_length=256,
+                         checkpoint_activations=checkpoint, **options)
+    torch.manual_seed(0)
+    model = BloomModel(config).cuda().to(dtype).train()
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+    loss.backward()
+    return {"loss": loss.detach().float(), **{name: p.grad.float() for name, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+def test_compiled_blocks_model_equals_eager(impl):
+    """--compile-blocks: a bf16 model's loss and every gradient against the fp32 eager model, no further off than
+    the eager bf16 model's (2x + 1e-3); the three layers share one compiled graph (no graph break, no recompile)."""
+    ids = torch.randint(0, 512, (2, 257), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    reference = model_loss_and_grads(torch.float32, ids, attention_impl=impl)
+    eager = model_loss_and_grads(torch.bfloat16, ids, attention_impl=impl)
+    before = graphs_compiled()
+    compiled = model_loss_and_grads(torch.bfloat16, ids, attention_impl=impl, compile_blocks=True)
+    assert graphs_compiled() - before == 1
+    for name, want in reference.items():
+        assert want.norm() > 0, name
+        rel = lambda got: ((got - want).norm() / want.norm()).item()  # noqa: E731
+        assert rel(compiled[name]) < 2 * rel(eager[name]) + 1e-3, (name, rel(compiled[name]), rel(eager[name]))
+
+
+def test_compiled_blocks_under_activation_checkpointing():
+    """fp32, --checkpoint-activations with --compile-blocks (the block compiled inside the checkpointed function:
+    once under no_grad, once recomputed with grad) equals the compiled model without checkpointing to 1e-5."""
+    ids = torch.randint(0, 512, (2, 257), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    want = model_loss_and_grads(torch.float32, ids, compile_blocks=True)
+    got = model_loss_and_grads(torch.float32, ids, checkpoint=True, compile_blocks=True)
+    for name, w in want.items():
+        rel = ((got[name] - w).norm() / w.norm()).item()
+        assert rel < 1e-5, (name, rel)
+
+
+def test_compiled_block_post_ln_residual_equals_eager():
+    """fp32 block with --apply-residual-connection-post-layernorm: compiled = eager to 1e-4 (relative norm)."""
+    eager = run_block(False, torch.float32, post_ln_residual=True)
+    before = graphs_compiled()
+    compiled = run_block(False, torch.float32, post_ln_residual=True, compile_blocks=True)
+    assert graphs_compiled() > before
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        rel = ((c - e).norm() / e.norm()).item()
+        assert rel < 1e-4, (i, rel)

@@ -1,5 +1,6 @@
 """The block's fused elementwise path (megatron.fused_kernels.elementwise) on the CPU: its maths equals the unfused
-block (the regions' eager references, fp32), the CPU never takes it, and the flag reaches the model.
+block (the regions' eager references, fp32), the CPU never takes it, and the flags reach the model; the whole-block
+region of --compile-blocks traces as one graph shared by every layer (dynamo + AOTAutograd, without inductor).
 
 The compiled regions themselves need CUDA: tests/gpu/test_fused_elementwise.py.
 """
@@ -9,6 +10,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model import BloomModel
 from megatron.model.attention import _alibi_score_mod, _slopes_key
+from megatron.model import bloom
 from megatron.model.bloom import BloomBlock
 
 
@@ -65,10 +67,64 @@ def test_flag_reaches_the_blocks():
     from megatron.arguments import load_and_resolve
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
             "--micro-batch-size", "1", "--lr", "1e-4", "--train-iters", "1", "--mock-data"]
-    on, _, _ = load_and_resolve(base, world_size=1)
-    off, _, _ = load_and_resolve(base + ["--no-fused-elementwise"], world_size=1)
-    assert on.model.fused_elementwise is True and off.model.fused_elementwise is False
+    default, _, _ = load_and_resolve(base, world_size=1)
+    on, _, _ = load_and_resolve(base + ["--fused-elementwise", "--compile-blocks"], world_size=1)
+    off, _, _ = load_and_resolve(base + ["--fused-elementwise", "--no-fused-elementwise"], world_size=1)
+    assert (default.model.fused_elementwise, default.model.compile_blocks) == (False, False)
+    assert (on.model.fused_elementwise, on.model.compile_blocks) == (True, True)
+    assert off.model.fused_elementwise is False
+    layers = BloomModel(on.model).layers
+    assert [(layer.fused_elementwise, layer.compile_blocks) for layer in layers] == [(True, True)] * 2
     assert [layer.fused_elementwise for layer in BloomModel(off.model).layers] == [False, False]
+
+
+def test_compiled_block_traces_as_one_graph_for_every_layer():
+    """The --compile-blocks region (bloom._block_forward with attention.block_attention_inputs) under dynamo and
+    AOTAutograd (aot_eager: the traced forward and backward graphs run as torch ops): three layers compile one
+    graph, with no graph break, and the loss and every gradient equal the eager model's (fp32, sdpa on the CPU)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=128,
+                         compile_blocks=True, attention_impl="sdpa")
+    torch.manual_seed(0)
+    model = BloomModel(config).train()
+    ids = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(1))
+    traced = torch.compile(bloom._block_forward, backend="aot_eager", dynamic=False)
+
+    def loss_and_grads(compiled):
+        model.zero_grad()
+        if compiled:  # the layers' compiled path, as BloomBlock.forward takes it on CUDA
+            x = model.embedding(ids[:, :-1])
+            for layer in model.layers:
+                x = traced(layer, x, layer.compiled_block_inputs(x))
+            loss = bloom.lm_loss(model.final_layernorm(x), model.embedding.word_embeddings.weight, ids[:, 1:],
+                                 None).mean()
+        else:
+            loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+        loss.backward()
+        return {"loss": loss.detach(), **{name: p.grad.clone() for name, p in model.named_parameters()}}
+
+    want, got = loss_and_grads(False), loss_and_grads(True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_block_declines_what_it_cannot_trace():
+    """compiled_block_inputs is None (the block falls back) with the flag off, dropout, a padding mask, the torch
+    attention backend; flex gives (block mask, score_mod, no bias), sdpa (no mask, no score_mod, the bias)."""
+    def inputs(mask=None, **options):
+        config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=128,
+                             **{"compile_blocks": True, **options})
+        return BloomBlock(config, 0).train().compiled_block_inputs(torch.zeros(1, 128, 64), mask)
+    assert inputs(compile_blocks=False) is None and inputs(hidden_dropout=0.1) is None
+    assert inputs(attention_dropout=0.1) is None and inputs(attention_impl="torch") is None
+    assert inputs(torch.ones(1, 128, dtype=torch.bool)) is None
+    block_mask, score_mod, bias = inputs(attention_impl="flex")
+    assert block_mask is not None and callable(score_mod) and bias is None
+    block_mask, score_mod, bias = inputs(attention_impl="sdpa")
+    assert block_mask is None and score_mod is None and bias.shape == (1, 4, 128, 128)
 
 
 def test_equal_slopes_share_one_score_mod_and_key():
