@@ -3,11 +3,11 @@ batch (CPU, gloo), in fp32, bf16 and fp16.
 
 `--clip-grad 0.05` keeps clipping active at every iteration (the norms are ~0.7), so a layout whose norm is wrong
 clips by the wrong factor; the losses alone would not show it (AdamW is nearly invariant to a constant gradient
-scale), so the norms are compared too. Tolerances: fp32 losses agree within 2e-5 absolute per iteration and norms within 1e-4 relative
-(only the order of float reductions differs: TP splits matmuls, DP averages gradients by all-reduce instead of
-accumulation); bf16 and fp16 losses within 2e-2 and norms within 1% (the norm bugs this guards against were 6% low
-at bf16/fp16 TP 2 and 41% high at fp16 PP 2: DeepSpeed's unfused wrapper lost the parameters' TP and pipeline
-attributes; UnfusedAdapter.install in megatron/checkpoint/adapters.py gives them back).
+scale), so the norms are compared too. Tolerances: fp32 losses agree within 2e-5 absolute per iteration and norms
+within 1e-4 relative (only the order of float reductions differs: TP splits matmuls, DP averages gradients by
+all-reduce instead of accumulation); bf16 and fp16 losses within 2e-2 and norms within 1% (the norm bugs this
+guards against were 6% low at bf16/fp16 TP 2 and 41% high at fp16 PP 2: DeepSpeed's unfused wrapper lost the
+parameters' TP and pipeline attributes; UnfusedAdapter.install in megatron/checkpoint/adapters.py gives them back).
 
 The fp16 runs (all ZeRO 0: DeepSpeed's unfused wrapper) start from a loss scale of 1024 (FP16): the loss is
 scaled at ZeRO 0 as at ZeRO 1-3 (adapters.py), and the default first scale, 2^32, overflows fp16's gradients, so
