@@ -459,8 +459,8 @@ def test_fp16_without_zero_takes_the_step_zero_takes(round_trips):
     """fp16 ZeRO 2's checkpoint resumed without ZeRO (FP16_UnfusedOptimizer): the next step, with gradients over
     --clip-grad (clipped), leaves every fp32 master weight, Adam moment and weight as ZeRO 2's step does, bit for
     bit, and reports the same gradient norm. Without the loss scaling megatron/checkpoint/adapters.py installs for
-    that wrapper, Adam got its gradients divided by the loss scale and no clipping: the moments differed by up
-    to ~100%, the master weights by up to 19%."""
+    that wrapper, Adam got its gradients divided by the loss scale and no clipping (measured: the first moments
+    differed by up to 107% of their largest value, the second by 99.7%, the master weights by 19%)."""
     result = round_trips["fp16 zero2 and zero0, one step"]
     zero2, zero0 = result["zero2"], result["zero0"]
     assert (zero2["wrapper"], zero0["wrapper"]) == ("DeepSpeedZeroOptimizer", "FP16_UnfusedOptimizer")
