@@ -30,6 +30,11 @@ it misses TP ranks' slices and counts the pipeline's tied embedding twice (measu
 where one process reports 0.572; fp16 PP 2 1.083 where the true norm is 0.769): UnfusedAdapter.install gives it
 gradients that carry them (tests/integration/test_training_parity.py).
 
+DeepSpeed's engine.backward scales the loss by the fp16 loss scale for ZeRO's optimizers only, while the unfused
+wrapper's step divides the gradients by that scale: in fp16 without ZeRO its gradients reached Adam divided by the
+loss scale and clipping never acted. UnfusedAdapter.install scales the loss for it too (fp16 only; bf16 has no loss
+scale), so that fp16 ZeRO 0 steps as ZeRO 1-3 do (tests/unit/test_checkpointing.py).
+
 Tested with DeepSpeed 0.19.8 (requirements.txt pins the range; tests/unit/test_checkpointing.py round-trips
 every adapter through real engines).
 """
@@ -158,23 +163,26 @@ class TorchAdapter(Adapter):
 
 class UnfusedAdapter(Adapter):
     """FP16_UnfusedOptimizer: reads fp16_groups and fp32_groups (each parameter's fp32 copy, which the inner torch
-    optimizer steps), optimizer (that torch optimizer) and loss_scale_config (the loss scaler's state)."""
+    optimizer steps), optimizer (that torch optimizer) and loss_scale_config (the loss scaler's state); install
+    also reads custom_loss_scaler, fused_lamb_legacy and _global_grad_norm."""
     kind = "unfused"
 
     @classmethod
     def install(cls):
         """Makes FP16_UnfusedOptimizer measure (and clip by) the true gradient norm: the gradients its step hands
         to get_weight_norm carry their parameters' parallel attributes, so a TP-partitioned gradient counts on
-        every TP rank, a replicated one on TP rank 0 only, the pipeline's tied embedding on its owning stage only."""
+        every TP rank, a replicated one on TP rank 0 only, the pipeline's tied embedding on its owning stage only;
+        and in fp16 has the engine scale the loss for it (_scale_the_loss_for_unfused_fp16). Each change is
+        installed once."""
         from deepspeed.runtime.fp16 import unfused_optimizer
         name = "split_params_grads_into_shared_and_expert_params"
-        if getattr(unfused_optimizer, name, None) is _grads_with_parallel_attributes:
-            return
-        if not hasattr(unfused_optimizer, name):
-            raise RuntimeError(f"deepspeed.runtime.fp16.unfused_optimizer has no {name} in this DeepSpeed version: "
-                               f"install deepspeed{TESTED_DEEPSPEED} (requirements.txt), or update "
-                               "megatron/checkpoint/adapters.py")
-        setattr(unfused_optimizer, name, _grads_with_parallel_attributes)
+        if getattr(unfused_optimizer, name, None) is not _grads_with_parallel_attributes:
+            if not hasattr(unfused_optimizer, name):
+                raise RuntimeError(f"deepspeed.runtime.fp16.unfused_optimizer has no {name} in this DeepSpeed "
+                                   f"version: install deepspeed{TESTED_DEEPSPEED} (requirements.txt), or update "
+                                   "megatron/checkpoint/adapters.py")
+            setattr(unfused_optimizer, name, _grads_with_parallel_attributes)
+        _scale_the_loss_for_unfused_fp16()
 
     def _masters(self):
         return {id(p): master for low, high in zip(self.optimizer.fp16_groups, self.optimizer.fp32_groups)
@@ -193,6 +201,42 @@ class UnfusedAdapter(Adapter):
 
     def scaler(self):
         return self.optimizer.loss_scale_config
+
+
+def _scale_the_loss_for_unfused_fp16():
+    """DeepSpeed 0.19.8's engine.backward multiplies the loss by the loss scale for ZeRO's optimizers only, while
+    FP16_UnfusedOptimizer.step divides the gradients by it: in fp16 its gradients reached Adam divided by the loss
+    scale, and clipping (which compares the norm divided by the scale with --clip-grad) never acted. This wraps
+    DeepSpeedEngine.backward to scale the loss for that wrapper in fp16 as the wrapper's own backward does (the
+    gradients Adam gets are then the true ones, and small ones survive fp16), returning the loss it would have
+    returned; and FP16_UnfusedOptimizer.step to report the gradient norm divided by the scale, as ZeRO's
+    optimizers do. bf16 (no loss scale), a custom loss scaler and fused LAMB are left as DeepSpeed has them."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    if getattr(DeepSpeedEngine.backward, "scales_unfused_fp16", False):
+        return
+    backward, step = DeepSpeedEngine.backward, FP16_UnfusedOptimizer.step
+
+    def scaling(optimizer):
+        return isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling and \
+            not optimizer.custom_loss_scaler and not optimizer.fused_lamb_legacy
+
+    def scaled_backward(self, loss, *args, **kwargs):
+        if not scaling(self.optimizer):
+            return backward(self, loss, *args, **kwargs)
+        scale = self.optimizer.loss_scale_config.cur_scale
+        return backward(self, loss.float() * scale, *args, **kwargs) / scale
+
+    def unscaled_norm_step(self, *args, **kwargs):
+        scale = self.loss_scale_config.cur_scale  # the scale of this step's gradients (the step may change it)
+        overflow = step(self, *args, **kwargs)
+        if scaling(self) and not overflow:
+            self._global_grad_norm = self._global_grad_norm / scale
+        return overflow
+
+    scaled_backward.scales_unfused_fp16 = True
+    DeepSpeedEngine.backward = scaled_backward
+    FP16_UnfusedOptimizer.step = unscaled_norm_step
 
 
 # The attributes DeepSpeed's get_weight_norm and is_moe_param read from the gradients they are given.

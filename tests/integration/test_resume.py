@@ -17,8 +17,9 @@ iteration 7 moves by 1e-4 (fp32) to 6e-3 (bf16).
 fp16 on CPU: DeepSpeed's CPU accelerator refuses fp16 when oneDNN does not report fp16 support
 (torch.ops.mkldnn._is_mkldnn_fp16_supported() is False on CPUs without AVX512-FP16/AMX-FP16, as here), although
 torch runs fp16 on any CPU. The fp16 cells run through tests/pretrain_under_test.py, which answers that
-capability check True; everything else is the real run. They start from a loss scale of 1024 that doubles every 2 iterations, so
-that steps are taken (2^32 overflows in ZeRO's fp16 path) and the loss scaler's state changes across the save.
+capability check True; everything else is the real run. They start from a loss scale of 1024 that doubles every
+2 iterations, so that steps are taken (2^32 overflows fp16's gradients, at every ZeRO stage) and the loss scaler's
+state changes across the save.
 """
 import json
 import math
