@@ -460,7 +460,10 @@ def test_fp16_without_zero_takes_the_step_zero_takes(round_trips):
     --clip-grad (clipped), leaves every fp32 master weight, Adam moment and weight as ZeRO 2's step does, bit for
     bit, and reports the same gradient norm. Without the loss scaling megatron/checkpoint/adapters.py installs for
     that wrapper, Adam got its gradients divided by the loss scale and no clipping (measured: the first moments
-    differed by up to 107% of their largest value, the second by 99.7%, the master weights by 19%)."""
+    differed by up to 107% of their largest value, the second by 99.7%, the master weights by 19%). Bit for bit
+    where the two wrappers' gradient norms agree to the last bit; where they differ in the last bits (the order of
+    the fp32 sums follows the CPU's vector width: seen on an AMD EPYC host), the clip coefficient does too, so the
+    state is compared to 1e-5 relative, four orders of magnitude inside the bug's differences."""
     result = round_trips["fp16 zero2 and zero0, one step"]
     zero2, zero0 = result["zero2"], result["zero0"]
     assert (zero2["wrapper"], zero0["wrapper"]) == ("DeepSpeedZeroOptimizer", "FP16_UnfusedOptimizer")
@@ -471,8 +474,17 @@ def test_fp16_without_zero_takes_the_step_zero_takes(round_trips):
     for name, expected in zero2["state"].items():
         assert sorted(expected) == sorted(zero0["state"][name]) == ["exp_avg", "exp_avg_sq", "fp32"], name
         for key, value in expected.items():
-            assert torch.equal(value, zero0["state"][name][key]), (name, key)
-    assert _differences(zero2["weights"], zero0["weights"]) == []
+            if zero0["grad_norm"] == zero2["grad_norm"]:
+                assert torch.equal(value, zero0["state"][name][key]), (name, key)
+            else:
+                torch.testing.assert_close(zero0["state"][name][key], value, rtol=1e-5, atol=1e-8,
+                                           msg=lambda m: f"{name} {key}: {m}")
+    if zero0["grad_norm"] == zero2["grad_norm"]:
+        assert _differences(zero2["weights"], zero0["weights"]) == []
+    else:
+        assert sorted(zero2["weights"]) == sorted(zero0["weights"])
+        for name, value in zero2["weights"].items():  # fp16: one rounding step of the weight at most (2^-10)
+            torch.testing.assert_close(zero0["weights"][name].float(), value.float(), rtol=2e-3, atol=1e-7)
 
 
 @pytest.mark.skipif(not FORMAT2_CASES, reason="no tests/fixtures/format2")
