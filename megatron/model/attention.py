@@ -28,11 +28,7 @@ _LOGGED = set()
 
 # Measurement knobs for tools/benchmark_training.py --attention-variants (None: torch's defaults). Not flags: the
 # backend stays automatic, and these let one benchmark compare the exact ALiBi options on the device.
-# FlexAttention kernel_options. Causal with sk >= sq (training, prefill): every row attends to at least key 0 and
-# each row's blocks are contiguous, so the kernels may skip their empty-row guards: the same values, 3.6% less time
-# forward + backward at B4 S2048 16x128 bf16 on an H200 (0.852 vs 0.884 ms; benchmarks/attention_sweep.py, where
-# no block-size set beat torch's defaults by more than noise).
-FLEX_KERNEL_OPTIONS = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
+FLEX_KERNEL_OPTIONS = None  # FlexAttention kernel_options, e.g. {"BLOCK_M": 128, "BLOCK_N": 64}
 SDPA_BACKENDS = None  # list of torch.nn.attention.SDPBackend names the sdpa backend may use, e.g. ["CUDNN_ATTENTION"]
 FLEX_COMPILE_MODE = None  # torch.compile mode of FlexAttention, e.g. "max-autotune-no-cudagraphs" (read at first use)
 
