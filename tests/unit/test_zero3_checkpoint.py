@@ -4,8 +4,9 @@ rank holds only its own parts of the weights, and a resumed engine continues exa
 Two gloo processes, real engines (tests/checkpoint_engines.py, fp32 and bf16 ZeRO-3). Measured on each rank: the
 largest set of full parameters materialized at once (every deepspeed.zero.GatheredParameters entered, the bytes of
 its parameters whole), during the save and during the load, and the bytes of weights the save's snapshot holds on the
-CPU. Before this layout every rank gathered the whole model on save and on load (gathered = the full set, 100%), and
-DP rank 0's snapshot held the full set.
+CPU. Before this layout every rank gathered the whole model on save and on load (measured: 7712 of 7712 bytes in fp32,
+3856 of 3856 in bf16, on both ranks), and DP rank 0's snapshot held all of it; now nothing is gathered and each
+rank's snapshot holds its half (3856 and 1928 bytes).
 """
 import os
 
@@ -59,7 +60,6 @@ def _save_and_resume(rank, world_size, root):
         trained = build_engine(case, config, ds_config, state)
         train(trained, 3)
         full = sum(p.ds_numel * p.element_size() for p in trained.module.parameters())
-        largest = max(p.ds_numel * p.element_size() for p in trained.module.parameters())
         counter.peak = 0
         objects = save.snapshot(trained, config, state)
         held = sum(_tensor_bytes(obj) for name, obj in objects.items() if name.startswith("model_"))
@@ -72,7 +72,7 @@ def _save_and_resume(rank, world_size, root):
         loaded_gather = counter.peak
         train(trained, 1, first=3)
         train(resumed, 1, first=3)
-        results[case] = {"full": full, "largest": largest, "held": held, "save gathered": saved_gather,
+        results[case] = {"full": full, "held": held, "save gathered": saved_gather,
                          "load gathered": loaded_gather, "expected": weights(trained), "got": weights(resumed),
                          "files": sorted(os.listdir(os.path.join(folder, "iter_0000003")))}
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
@@ -92,10 +92,11 @@ def test_zero3_saves_and_loads_shard_by_shard_and_resumes_exactly(zero3_runs, ca
         result = results[case]
         assert result["save gathered"] == 0 and result["load gathered"] == 0, (rank, result["save gathered"],
                                                                              result["load gathered"])
-        assert 0 < result["held"] <= result["full"] / DP + result["largest"], (rank, result["held"], result["full"])
+        assert 0 < result["held"] < result["full"], (rank, result["held"], result["full"])  # before: all of it
         assert sorted(result["expected"]) == sorted(result["got"])
         for name, tensor in result["expected"].items():
             assert torch.equal(tensor, result["got"][name]), (rank, name)
+    assert sum(results[case]["held"] for results in zero3_runs) == zero3_runs[0][case]["full"]  # each element once
     files = zero3_runs[0][case]["files"]
     assert [f for f in files if f.startswith("model_")] == ["model_tp00_pp000_dp00000.pt",
                                                              "model_tp00_pp000_dp00001.pt"]
