@@ -65,15 +65,21 @@ def _save_and_resume(rank, world_size, root):
         held = sum(_tensor_bytes(obj) for name, obj in objects.items() if name.startswith("model_"))
         save.write_and_publish(objects, config, state, 3, 6 * world_size)
         saved_gather = counter.peak
+        saved_weights = weights(trained)  # gathered by the test, outside what is measured
         load_config, _ = configure(folder, flags, load=folder)
         resumed = build_engine(case, load_config, ds_config, state)
         counter.peak = 0
         load.load_checkpoint(resumed, load_config, state)
         loaded_gather = counter.peak
+        zero1_config, zero1_ds = configure(os.path.join(root, case + "-on-zero1"),
+                                           [f for f in flags if f != "3"] + ["1"], load=folder)
+        on_zero1 = build_engine(case.replace("zero3", "zero1"), zero1_config, zero1_ds, state)
+        load.load_checkpoint(on_zero1, zero1_config, state)  # another layout: the parts assembled per tensor
         train(trained, 1, first=3)
         train(resumed, 1, first=3)
         results[case] = {"full": full, "held": held, "save gathered": saved_gather,
                          "load gathered": loaded_gather, "expected": weights(trained), "got": weights(resumed),
+                         "saved": saved_weights, "on zero1": weights(on_zero1), "folder": folder,
                          "files": sorted(os.listdir(os.path.join(folder, "iter_0000003")))}
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
 
@@ -97,6 +103,29 @@ def test_zero3_saves_and_loads_shard_by_shard_and_resumes_exactly(zero3_runs, ca
         for name, tensor in result["expected"].items():
             assert torch.equal(tensor, result["got"][name]), (rank, name)
     assert sum(results[case]["held"] for results in zero3_runs) == zero3_runs[0][case]["full"]  # each element once
+    saved = zero3_runs[0][case]["saved"]
+    assert sorted(zero3_runs[0][case]["on zero1"]) == sorted(saved)
+    for name, tensor in saved.items():  # resumed on ZeRO 1 (load.load_model_weights through zero3.read_weights)
+        assert torch.equal(zero3_runs[0][case]["on zero1"][name], tensor), name
     files = zero3_runs[0][case]["files"]
     assert [f for f in files if f.startswith("model_")] == ["model_tp00_pp000_dp00000.pt",
                                                              "model_tp00_pp000_dp00001.pt"]
+
+
+def test_the_merge_tool_and_the_readers_assemble_the_parts(zero3_runs, tmp_path):
+    """tools/merge_mp_partitions.py (CheckpointReader) on the DP 2 ZeRO-3 checkpoint: the merged weights equal the
+    saved ones (gathered by the test at the save); so does its megatron output, one model_tp00_pp000.pt."""
+    from megatron.checkpoint import convert
+    from tests.unit.test_streaming_convert import load_tool
+    result = zero3_runs[0]["bf16-zero3"]
+    folder = os.path.join(result["folder"], "iter_0000003")
+    merged = convert.load_merged_checkpoint(folder)
+    assert merged.dtype == torch.bfloat16 and sorted(merged.weights) == sorted(result["saved"])
+    for name, tensor in result["saved"].items():
+        assert torch.equal(merged.weights[name], tensor), name
+    out = tmp_path / "merged"
+    assert load_tool("merge_mp_partitions").main(["--model-path", folder, "--output-path", str(out),
+                                                  "--output-format", "megatron"]) == 0
+    shard = torch.load(out / "iter_0000003" / "model_tp00_pp000.pt", weights_only=True)
+    for name, tensor in result["saved"].items():
+        assert torch.equal(shard["weights"][name], tensor), name
