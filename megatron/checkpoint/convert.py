@@ -4,7 +4,9 @@ Used by tools/merge_mp_partitions.py, tools/convert_hf_to_megatron.py, tools/gen
 megatron/checkpoint/hf.py; all of it runs in one process on CPU, without torch.distributed.
 
 Our checkpoints (megatron/checkpoint/format.py) hold one file per (TP rank, PP stage):
-model_tp{tp:02d}_pp{pp:03d}.pt = {"weights": canonical name -> tensor, "partition_dims": name -> dim or None}.
+model_tp{tp:02d}_pp{pp:03d}.pt = {"weights": canonical name -> tensor, "partition_dims": name -> dim or None}
+(under ZeRO-3, each DP rank's parts of it instead, model_tp{tp:02d}_pp{pp:03d}_dp{dp:05d}.pt, read as the same dict:
+megatron/checkpoint/zero3.py).
 Merging concatenates the TP slices of each tensor along its partition dim (the QKV weight's rows are
 whole heads, BLOOM's per-head [q k v] layout, so a plain concatenation is right) and checks that replicated
 tensors are identical on every TP rank. The embedding is stored only in the pp000 files.

@@ -4,7 +4,9 @@ Every tensor is stored once (megatron/checkpoint/optimizer_state.py): the weight
 (DeepSpeed's engine.save_checkpoint would write them a second time, and under bf16 with pipeline parallelism the
 optimizer state twice, then fail to load it); the optimizer state per parameter and region, without the fp32
 master in fp32 runs (the weights are the master) and without the last stage's copy of the tied word embedding
-(read from the first stage's files on load). The folder's files are described in megatron/checkpoint/format.py.
+(read from the first stage's files on load). Under ZeRO-3 every rank writes its own parts of the weights beside its
+part of the optimizer state, nothing gathered (megatron/checkpoint/zero3.py); otherwise DP rank 0 alone copies and
+writes the weights. The folder's files are described in megatron/checkpoint/format.py.
 
 A save is two halves: snapshot() takes this rank's objects at the iteration boundary (for --async-save, copies in
 host memory, megatron/checkpoint/async_save.py); write_and_publish() writes them, in the calling thread or in the
@@ -106,9 +108,9 @@ def _host_copy(obj, host, key=()):
 
 def snapshot(engine, config, state, host=None):
     """This rank's files to write, {file name: object} (a str is written as text, anything else with
-    torch.save): its optimizer state and index (unless --no-save-optim), its model shard (DP rank 0), its RNG
-    states. host (an async_save.HostBuffers): every tensor copied into host memory first, so that training may
-    go on while a background thread writes them."""
+    torch.save): its optimizer state and index (unless --no-save-optim), its model shard (DP rank 0; under
+    ZeRO-3 every rank its parts), its RNG states. host (an async_save.HostBuffers): every tensor copied into host
+    memory first, so that training may go on while a background thread writes them."""
     objects = {}
     if not config.checkpoint.no_save_optim:  # --no-save-optim: weights only (our shards), no engine state
         collected = optimizer_state.collect(engine, config.model.num_layers, state.pp_rank, state.dp_rank)

@@ -65,8 +65,8 @@ def engine_counters(folder):
 
 def optimizer_file(source, shapes, names, tp, tp_rank, counters, scaler, flag="--load"):
     """(the optimizer file's dict, its index's JSON) holding TP rank tp_rank's slice (of tp) of the state of
-    `names` (canonical names of one stage; shapes: their whole shapes). Its tensors are torch_stream.Deferred: each is read from source (a
-    SavedOptimizer) when torch_stream.save writes it, one parameter's state at a time."""
+    `names` (canonical names of one stage; shapes: their whole shapes). Its tensors are torch_stream.Deferred:
+    each is read from source (a SavedOptimizer) when torch_stream.save writes it, one parameter's state at a time."""
     params, index = {}, {}
     for name in names:
         if name not in source.entries:

@@ -27,11 +27,12 @@ def is_zero3_parameter(param):
     return hasattr(param, "ds_tensor")
 
 
-def _part(param):
-    """(start, numel) of this rank's part of a ZeRO-3 parameter's flattened TP slice (numel 0: it holds none)."""
+def part_of(param, group=None):
+    """(start, numel) of this rank's part of a ZeRO-3 parameter's flattened TP slice (numel 0: it holds none);
+    group: the DP group, where the parameter names none (ds_process_group)."""
     import torch.distributed as dist
     count = param.ds_tensor.ds_numel
-    start = dist.get_rank(group=param.ds_process_group) * count
+    start = dist.get_rank(group=getattr(param, "ds_process_group", None) or group) * count
     return start, max(0, min(count, param.ds_numel - start))
 
 
@@ -41,7 +42,7 @@ def partition_shard(named, dims, host=None):
     this rank's parts only."""
     shard = {"weights": {}, "regions": {}, "shapes": {}, "partition_dims": {}}
     for name, param in named:
-        start, numel = _part(param)
+        start, numel = part_of(param)
         shard["shapes"][name] = list(param.ds_shape)
         shard["partition_dims"][name] = dims.get(name)
         if numel == 0:
@@ -118,7 +119,7 @@ def load_partitions(module, weights, own=None):
                        f"{unexpected[:3]})")
     with torch.no_grad():
         for name, param in params.items():
-            start, numel = _part(param)
+            start, numel = part_of(param)
             if own is not None and own["regions"].get(name) == [start, numel]:
                 shape, flat = own["shapes"][name], own["weights"][name]
             else:
