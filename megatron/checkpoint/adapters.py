@@ -42,7 +42,6 @@ import dataclasses
 import logging
 
 import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -307,19 +306,18 @@ class FlatAdapter(Adapter):
 
 class Zero3Adapter(Adapter):
     """DeepSpeedZeroOptimizer_Stage3: each parameter is cut into DP-size equal parts (the last one padded), part r
-    on DP rank r. Reads the parameters' ds_shape, ds_numel, ds_tensor.ds_numel and ds_process_group (ZeRO-3's
-    public parameter attributes), DeepSpeed's local-partition API (deepspeed.utils.safe_{get,set}_local_*),
-    fp32_partitioned_groups_flat (the tensors the inner optimizer steps), optimizer and loss_scaler."""
+    on DP rank r (zero3.part_of: the same parts as the weights' under ZeRO-3). Reads the parameters' ds_shape,
+    ds_numel, ds_tensor.ds_numel and ds_process_group (ZeRO-3's public parameter attributes), DeepSpeed's
+    local-partition API (deepspeed.utils.safe_{get,set}_local_*), fp32_partitioned_groups_flat (the tensors the
+    inner optimizer steps), optimizer and loss_scaler."""
     kind = "zero3"
     partitioned = True
 
     def params(self):
+        from megatron.checkpoint.zero3 import part_of
         slots = []
         for name, param in self.named_parameters():
-            group = getattr(param, "ds_process_group", None) or self.optimizer.dp_process_group
-            count = param.ds_tensor.ds_numel
-            start = dist.get_rank(group=group) * count
-            numel = max(0, min(count, param.ds_numel - start))
+            start, numel = part_of(param, self.optimizer.dp_process_group)
             if numel:
                 slots.append(Slot(name, param, tuple(param.ds_shape), start, numel))
         return slots

@@ -4,7 +4,9 @@ Used by tools/merge_mp_partitions.py, tools/convert_hf_to_megatron.py, tools/gen
 megatron/checkpoint/hf.py; all of it runs in one process on CPU, without torch.distributed.
 
 Our checkpoints (megatron/checkpoint/format.py) hold one file per (TP rank, PP stage):
-model_tp{tp:02d}_pp{pp:03d}.pt = {"weights": canonical name -> tensor, "partition_dims": name -> dim or None}.
+model_tp{tp:02d}_pp{pp:03d}.pt = {"weights": canonical name -> tensor, "partition_dims": name -> dim or None}
+(under ZeRO-3, each DP rank's parts of it instead, model_tp{tp:02d}_pp{pp:03d}_dp{dp:05d}.pt, read as the same dict:
+megatron/checkpoint/zero3.py).
 Merging concatenates the TP slices of each tensor along its partition dim (the QKV weight's rows are
 whole heads, BLOOM's per-head [q k v] layout, so a plain concatenation is right) and checks that replicated
 tensors are identical on every TP rank. The embedding is stored only in the pp000 files.
@@ -27,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from megatron.checkpoint import zero3
 from megatron.checkpoint.format import (check_shapes, expected_shapes, is_tag_folder, model_config_from_dict,
                                         partition_dim, read_latest, shard_name, tag_for, verify_checkpoint)
 from megatron.checkpoint.io import (atomic_folder, fsync_tree, listed_entries, torch_save_synced, write_manifest,
@@ -133,7 +136,7 @@ class CheckpointReader:
         found = sorted(n for n in os.listdir(folder) if SHARD_RE.match(n))
         expected = [shard_name(t, p) for p in range(pp) for t in range(tp)]
         for name in expected:
-            if name not in found:
+            if name not in found and not zero3.partitioned_paths(folder, *map(int, SHARD_RE.match(name).groups())):
                 raise RuntimeError(f"{os.path.join(folder, name)} is missing (meta.json says TP {tp} x PP {pp}); "
                                    "the checkpoint is incomplete")
         extra = sorted(set(found) - set(expected))
@@ -159,13 +162,20 @@ class CheckpointReader:
         shapes = self._scan()
         check_shapes(shapes, self.config, folder)
         self.shapes = {name: shapes[name] for name in expected_shapes(self.config)}
-        self._files = OpenFiles(lambda file: read_shard(file, mmap=True)["weights"])
+        self._files = OpenFiles(lambda file: self._read(file)["weights"])
+
+    @staticmethod
+    def _read(path):
+        """{"weights", "partition_dims"} of the shard at path, or of the ZeRO-3 parts saved in its place (zero3.py:
+        "weights" then assembles each tensor when asked), mapped."""
+        tp_rank, pp_rank = map(int, SHARD_RE.match(os.path.basename(path)).groups())
+        return zero3.read_weights(os.path.dirname(path), tp_rank, pp_rank, lambda file: read_shard(file, mmap=True))
 
     def _scan(self):
         """Full shapes and stored dtype from every shard's metadata (the files are mapped, not read)."""
         shapes = {}
         for p, paths in self._paths.items():
-            shards = [read_shard(x, mmap=True) for x in paths]
+            shards = [self._read(x) for x in paths]
             names = list(shards[0]["weights"])
             for shard, path in zip(shards[1:], paths[1:]):
                 if set(shard["weights"]) != set(names):
@@ -176,16 +186,16 @@ class CheckpointReader:
                 if name in self._where:
                     raise RuntimeError(f"{paths[0]}: {name} is also in an earlier stage's shard; the folder mixes "
                                        "checkpoints")
-                pieces = [shard["weights"][name] for shard in shards]
-                for piece, path in zip(pieces[1:], paths[1:]):
-                    if piece.shape != pieces[0].shape or piece.dtype != pieces[0].dtype:
-                        raise RuntimeError(f"{path}: {name} is {piece.dtype} {tuple(piece.shape)} but "
-                                           f"{pieces[0].dtype} {tuple(pieces[0].shape)} in {paths[0]}; the shards "
+                pieces = [zero3.tensor_spec(shard["weights"], name) for shard in shards]  # (shape, dtype)
+                for (piece_shape, piece_dtype), path in zip(pieces[1:], paths[1:]):
+                    if piece_shape != pieces[0][0] or piece_dtype != pieces[0][1]:
+                        raise RuntimeError(f"{path}: {name} is {piece_dtype} {tuple(piece_shape)} but "
+                                           f"{pieces[0][1]} {tuple(pieces[0][0])} in {paths[0]}; the shards "
                                            "come from different checkpoints")
                 dim = shards[0]["partition_dims"].get(name)
                 if len(pieces) > 1 and dim is None:
                     dim = partition_dim(name)
-                shape = list(pieces[0].shape)
+                shape = list(pieces[0][0])
                 if dim is not None:
                     if not isinstance(dim, int) or not 0 <= dim < len(shape):
                         raise RuntimeError(f"{paths[0]}: {name} has partition dim {dim!r} but {len(shape)} "
@@ -194,7 +204,7 @@ class CheckpointReader:
                 shapes[name] = tuple(shape)
                 self._where[name] = (p, dim)
                 if name == "embedding.word_embeddings.weight":
-                    self.dtype = pieces[0].dtype
+                    self.dtype = pieces[0][1]
             del shards
         return shapes
 

@@ -7,6 +7,9 @@ Layout of <save>/iter_0000100/ (written under <save>/.tmp_iter_0000100/ and rena
 
     model_tp00_pp000.pt     weights of (TP rank, PP stage) under BloomModel's names, with each tensor's
                             partition dim; what tools/merge_mp_partitions.py, --finetune and resuming read
+    model_tp00_pp000_dp00000.pt
+                            under ZeRO-3, in place of model_tp00_pp000.pt: each DP rank's parts of the
+                            weights, saved and loaded without gathering them (megatron/checkpoint/zero3.py)
     optimizer_tp00_pp000_dp00000.pt
                             the engine state of (TP rank, PP stage, DP rank): per parameter (BloomModel's
                             names), the region of it this rank holds (a ZeRO partition per DP rank, one file
@@ -64,6 +67,11 @@ def iteration_of(tag):
 
 def shard_name(tp_rank, pp_rank):
     return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+def partitioned_shard_name(tp_rank, pp_rank, dp_rank):
+    """ZeRO-3: DP rank dp_rank's parts of the weights of (TP rank, stage) (megatron/checkpoint/zero3.py)."""
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:05d}.pt"
 
 
 def optimizer_name(tp_rank, pp_rank, dp_rank):

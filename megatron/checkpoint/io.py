@@ -93,11 +93,12 @@ class _Checksummed:
         self.f.flush()
 
 
-def torch_save_synced(obj, path):
-    """torch.save to path, flushed and fsynced; returns the file's manifest entry {"size", "crc32"}."""
+def torch_save_synced(obj, path, save=torch.save):
+    """torch.save to path (or save(obj, stream): torch_stream.save), flushed and fsynced; returns the file's
+    manifest entry {"size", "crc32"}."""
     with open(path, "wb") as f:
         stream = _Checksummed(f)
-        torch.save(obj, stream)
+        save(obj, stream)
         f.flush()
         os.fsync(f.fileno())
     return {"size": stream.size, "crc32": stream.crc32}

@@ -17,6 +17,7 @@ engine.load_checkpoint. An upstream Megatron-DeepSpeed folder (global_stepN/, me
 resumed by upstream_resume.py.
 """
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -25,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint import optimizer_state
-from megatron.checkpoint import verify
+from megatron.checkpoint import verify, zero3
 from megatron.checkpoint.format import (CheckpointError, converted, has_parameter_index,
-                                        layout_text, optimizer_name, read_meta, read_saved_config, rng_name,
-                                        saved_layout_text, shard_name)
+                                        layout_text, optimizer_name, partitioned_shard_name, read_meta,
+                                        read_saved_config, rng_name, saved_layout_text)
 from megatron.checkpoint.saved_optimizer import SavedOptimizer, target_slice
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -112,7 +113,8 @@ def load_model_weights(module, folder, num_layers, state, zero_stage=0):
     """Loads our canonical shards into this rank's module. With the checkpoint's TP and PP sizes: the stage's own
     file and stage 0's (the tied embedding); with another PP size, every stage's file (the names are the whole
     model's); with another TP size, every TP rank's files, each tensor's slices concatenated along the partition
-    dim the shard records and this rank's slice cut out (saved_optimizer.target_slice)."""
+    dim the shard records and this rank's slice cut out (saved_optimizer.target_slice). Under ZeRO-3 each rank
+    fills its own parts of the parameters, one parameter at a time, nothing gathered (zero3.load_partitions)."""
     from megatron.model.pipeline import load_canonical_state_dict
     meta = read_meta(folder)
     tp = state.tensor_model_parallel_size
@@ -123,33 +125,37 @@ def load_model_weights(module, folder, num_layers, state, zero_stage=0):
     pieces, dims = {}, {}
     for pp in stages:
         for t in tp_ranks:
-            path = os.path.join(folder, shard_name(t, pp))
-            if not os.path.isfile(path):
-                raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load "
-                                      "another one)")
-            shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            for name, tensor in shard["weights"].items():
-                pieces.setdefault(name, {})[t] = tensor
+            shard = zero3.read_weights(folder, t, pp, lambda path: _read_shard(folder, path))
+            for name in shard["weights"]:
+                pieces.setdefault(name, {})[t] = shard["weights"]
                 dims[name] = shard["partition_dims"].get(name)
-    weights = {}
     live_dims = optimizer_state.canonical_partition_dims(module, num_layers) if saved_tp != tp else {}
-    for name, by_rank in pieces.items():
+
+    def weight(name):  # this rank's slice of tensor `name`, read when called
+        by_rank = pieces[name]
         if saved_tp == tp:
-            weights[name] = by_rank[state.tp_rank]
-            continue
+            return by_rank[state.tp_rank][name]
         dim = dims[name] if dims[name] is not None else live_dims.get(name)  # older TP-1 shards record none
-        whole = torch.cat([by_rank[t] for t in range(saved_tp)], dim) if dim is not None else by_rank[0]
+        whole = torch.cat([by_rank[t][name] for t in range(saved_tp)], dim) if dim is not None else by_rank[0][name]
         try:
-            weights[name] = target_slice(whole, dim, tp, state.tp_rank)
+            return target_slice(whole, dim, tp, state.tp_rank)
         except ValueError as err:
             raise CheckpointError(f"--load {folder}: {name} cannot be split for --tensor-model-parallel-size "
                                   f"{tp} ({err}); pick a TP size that divides it") from None
+
     if zero_stage == 3:
-        import deepspeed
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-            load_canonical_state_dict(module, weights, num_layers)
+        own = os.path.join(folder, partitioned_shard_name(state.tp_rank, state.pp_rank, state.dp_rank))
+        same_parts = saved_tp == tp and meta.get("data_parallel_size") == state.data_parallel_size
+        zero3.load_partitions(module, {name: functools.partial(weight, name) for name in pieces},
+                              _read_shard(folder, own) if same_parts and os.path.isfile(own) else None)
     else:
-        load_canonical_state_dict(module, weights, num_layers)
+        load_canonical_state_dict(module, {name: weight(name) for name in pieces}, num_layers)
+
+
+def _read_shard(folder, path):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load another one)")
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def load_checkpoint(engine, config, state):

@@ -4,7 +4,9 @@ Every tensor is stored once (megatron/checkpoint/optimizer_state.py): the weight
 (DeepSpeed's engine.save_checkpoint would write them a second time, and under bf16 with pipeline parallelism the
 optimizer state twice, then fail to load it); the optimizer state per parameter and region, without the fp32
 master in fp32 runs (the weights are the master) and without the last stage's copy of the tied word embedding
-(read from the first stage's files on load). The folder's files are described in megatron/checkpoint/format.py.
+(read from the first stage's files on load). Under ZeRO-3 every rank writes its own parts of the weights beside its
+part of the optimizer state, nothing gathered (megatron/checkpoint/zero3.py); otherwise DP rank 0 alone copies and
+writes the weights. The folder's files are described in megatron/checkpoint/format.py.
 
 A save is two halves: snapshot() takes this rank's objects at the iteration boundary (for --async-save, copies in
 host memory, megatron/checkpoint/async_save.py); write_and_publish() writes them, in the calling thread or in the
@@ -29,9 +31,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import optimizer_state
+from megatron.checkpoint import optimizer_state, zero3
 from megatron.checkpoint.format import (TMP_PREFIX, TRASH_PREFIX, CheckpointError, index_name, iteration_of,
-                                        list_checkpoints, optimizer_name, read_latest, rng_name, shard_name, tag_for)
+                                        list_checkpoints, optimizer_name, partitioned_shard_name, read_latest,
+                                        rng_name, shard_name, tag_for)
 from megatron.checkpoint.io import (crash_point, file_entry, fsync_dir, remove_durably, replace_folder,
                                     torch_save_synced, write_json_atomic, write_manifest, write_text_atomic,
                                     write_text_synced)
@@ -61,31 +64,24 @@ def _agree_on_failure(error, state, comm=None):
     return None if failed == state.world_size else failed
 
 
-def _gathered(module, zero_stage):
-    """Context in which ZeRO-3 parameters are whole on every rank (a no-op below stage 3)."""
-    if zero_stage == 3:
-        import deepspeed
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-def model_shard(module, num_layers, zero_stage=0, pp_rank=0, host=None):
+def model_shard(module, num_layers, pp_rank=0, host=None):
     """{"weights": canonical name -> CPU tensor, "partition_dims": name -> dim or None} for this rank (the dim
     along which the owning tensor-parallel layer splits the tensor, recorded at every TP size). The word
-    embedding is kept on the first pipeline stage only (the last stage's tied copy holds the same).
+    embedding is kept on the first pipeline stage only (the last stage's tied copy holds the same). Under ZeRO-3,
+    this rank's parts of the weights instead (zero3.partition_shard: nothing gathered).
     host: an async_save.HostBuffers to copy into (pinned, reused across saves); None: fresh copies."""
     from megatron.model.pipeline import canonical_name, is_pipeline_module
-    weights, dims = {}, {}
+    named = []
     split_dims = optimizer_state.partition_dims(module)
-    with _gathered(module, zero_stage):
-        for name, param in module.named_parameters():
-            canonical = canonical_name(name, num_layers) if is_pipeline_module(module) else name
-            if canonical is None or (canonical.startswith("embedding.") and pp_rank != 0):
-                continue
-            tensor = param.detach()
-            weights[canonical] = host.copy(("weights", canonical), tensor) if host is not None else \
-                tensor.to("cpu", copy=True)
-            dims[canonical] = split_dims.get(id(param))
+    for name, param in module.named_parameters():
+        canonical = canonical_name(name, num_layers) if is_pipeline_module(module) else name
+        if canonical is not None and not (canonical.startswith("embedding.") and pp_rank != 0):
+            named.append((canonical, param))
+    dims = {canonical: split_dims.get(id(param)) for canonical, param in named}
+    if named and zero3.is_zero3_parameter(named[0][1]):
+        return zero3.partition_shard(named, dims, host)
+    weights = {canonical: host.copy(("weights", canonical), param.detach()) if host is not None else
+               param.detach().to("cpu", copy=True) for canonical, param in named}
     return {"weights": weights, "partition_dims": dims}
 
 
@@ -112,9 +108,9 @@ def _host_copy(obj, host, key=()):
 
 def snapshot(engine, config, state, host=None):
     """This rank's files to write, {file name: object} (a str is written as text, anything else with
-    torch.save): its optimizer state and index (unless --no-save-optim), its model shard (DP rank 0), its RNG
-    states. host (an async_save.HostBuffers): every tensor copied into host memory first, so that training may
-    go on while a background thread writes them."""
+    torch.save): its optimizer state and index (unless --no-save-optim), its model shard (DP rank 0; under
+    ZeRO-3 every rank its parts), its RNG states. host (an async_save.HostBuffers): every tensor copied into host
+    memory first, so that training may go on while a background thread writes them."""
     objects = {}
     if not config.checkpoint.no_save_optim:  # --no-save-optim: weights only (our shards), no engine state
         collected = optimizer_state.collect(engine, config.model.num_layers, state.pp_rank, state.dp_rank)
@@ -124,13 +120,12 @@ def snapshot(engine, config, state, host=None):
             objects[name] = _host_copy(saved, host, (name,)) if host is not None else saved
             objects[index_name(state.tp_rank, state.pp_rank, state.dp_rank)] = index
             del saved, collected
-    zero3 = config.training.zero_stage == 3  # gathering ZeRO-3's parameters is collective: every rank takes part
-    if state.dp_rank == 0 or zero3:
-        shard = model_shard(engine.module, config.model.num_layers, config.training.zero_stage, state.pp_rank,
-                            host if state.dp_rank == 0 else None)
-        if state.dp_rank == 0:
-            objects[shard_name(state.tp_rank, state.pp_rank)] = shard
-        del shard
+    if config.training.zero_stage == 3:  # every rank its own parts of the weights, nothing gathered
+        objects[partitioned_shard_name(state.tp_rank, state.pp_rank, state.dp_rank)] = model_shard(
+            engine.module, config.model.num_layers, state.pp_rank, host)
+    elif state.dp_rank == 0:  # the weights are whole on every DP rank: DP rank 0's serve all
+        objects[shard_name(state.tp_rank, state.pp_rank)] = model_shard(engine.module, config.model.num_layers,
+                                                                        state.pp_rank, host)
     name = rng_name(state.rank)
     objects[name] = _host_copy(rng_state(), host, (name,)) if host is not None else rng_state()
     if host is not None:

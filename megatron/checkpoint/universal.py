@@ -26,19 +26,22 @@ resumes on any DP size and ZeRO stage (and on any other layout), with the optimi
 load.load_checkpoint never takes its same-layout path (a DeepSpeed wrapper's state dict) for such a folder but
 always the per-parameter one. The RNG states are not carried (they belong to the old ranks; a layout change
 restarts them). Memory: the weights are read a window at a time from the mapped shards, the optimizer state one
-parameter at a time from the mapped optimizer files; the most held is one output optimizer file.
+parameter's state at a time from the mapped optimizer files, streamed into the output file as it is read
+(torch_stream.save): the most held is one output model shard, never one output optimizer file.
 """
+import functools
 import os
 
 import torch
 
+from megatron.checkpoint import torch_stream
 from megatron.checkpoint.convert import (CheckpointReader, layout_config, partition_method_of, read_shard_for,
                                          stage_names, write_checkpoint_folder)
 from megatron.checkpoint.format import (OPTIMIZER_FORMAT_PARAMETERS, CheckpointError, has_parameter_index,
                                         index_name, optimizer_name, partition_dim, read_meta, shard_name,
                                         verify_checkpoint)
 from megatron.checkpoint.io import check_output_path, torch_save_synced, write_text_synced
-from megatron.checkpoint.optimizer_state import SCALER_FIELDS, compact
+from megatron.checkpoint.optimizer_state import SCALER_FIELDS
 from megatron.checkpoint.saved_optimizer import KEYS, SavedOptimizer, index_entry, index_text, target_slice
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")  # optimizer_state.restore_counters
@@ -60,9 +63,10 @@ def engine_counters(folder):
     return {key: saved[key] for key in COUNTERS}, scaler
 
 
-def optimizer_file(source, names, tp, tp_rank, counters, scaler, flag="--load"):
+def optimizer_file(source, shapes, names, tp, tp_rank, counters, scaler, flag="--load"):
     """(the optimizer file's dict, its index's JSON) holding TP rank tp_rank's slice (of tp) of the state of
-    `names` (canonical names of one stage), read one parameter at a time from source (a SavedOptimizer)."""
+    `names` (canonical names of one stage; shapes: their whole shapes). Its tensors are torch_stream.Deferred:
+    each is read from source (a SavedOptimizer) when torch_stream.save writes it, one parameter's state at a time."""
     params, index = {}, {}
     for name in names:
         if name not in source.entries:
@@ -72,13 +76,29 @@ def optimizer_file(source, names, tp, tp_rank, counters, scaler, flag="--load"):
                                   "checkpoint is not one of this model (load another one)")
         dim = source.partition_dim(name)
         dim = partition_dim(name) if dim is None else dim  # indexes of TP-1 runs may record no dim
+        shape = list(shapes[name])
+        if dim is not None:
+            shape[dim] //= tp
+        numel = torch.Size(shape).numel()
         keys = (("fp32",) if source.has_fp32(name) else ()) + KEYS
-        entry = {key: compact(target_slice(source.full(name, key, dim), dim, tp, tp_rank)) for key in keys}
-        shape = entry[KEYS[0]].shape
-        index[name] = index_entry(shape, dim, 0, shape.numel(), "fp32" in entry)
-        params[name] = {key: value.reshape(-1) for key, value in entry.items()}  # a region of the flattened slice
+
+        def make(name=name, key=None, dim=dim):
+            return target_slice(source.full(name, key, dim), dim, tp, tp_rank).reshape(-1)
+
+        index[name] = index_entry(shape, dim, 0, numel, "fp32" in keys)
+        params[name] = {key: torch_stream.Deferred((numel,), torch.float32, functools.partial(make, key=key))
+                        for key in keys}  # a region of the flattened slice
     saved = {"optimizer": {"params": params, **scaler}, "optimizer_format": OPTIMIZER_FORMAT_PARAMETERS, **counters}
     return saved, index_text(source.step, index)
+
+
+def write_optimizer_file(out, t, p, source, shapes, names, tp, counters, scaler):
+    """The optimizer file and index of (TP rank t, stage p) into out, streamed (optimizer_file); their manifest
+    entries."""
+    saved, index = optimizer_file(source, shapes, names, tp, t, counters, scaler)
+    return {optimizer_name(t, p, 0): torch_save_synced(saved, os.path.join(out, optimizer_name(t, p, 0)),
+                                                       save=torch_stream.save),
+            index_name(t, p, 0): write_text_synced(index, os.path.join(out, index_name(t, p, 0)))}
 
 
 def check_source(folder, meta, flag="--load"):
@@ -121,9 +141,7 @@ def convert_checkpoint(src, dst, tp, pp, force=False, verify=True):
         def write_rank(out, t, p, names):  # the model shard, optimizer file and index of (TP rank t, stage p)
             written = {shard_name(t, p): torch_save_synced(read_shard_for(reader, names, t, tp),
                                                            os.path.join(out, shard_name(t, p)))}
-            saved, index = optimizer_file(source, names, tp, t, counters, scaler)
-            written[optimizer_name(t, p, 0)] = torch_save_synced(saved, os.path.join(out, optimizer_name(t, p, 0)))
-            written[index_name(t, p, 0)] = write_text_synced(index, os.path.join(out, index_name(t, p, 0)))
+            written.update(write_optimizer_file(out, t, p, source, reader.shapes, names, tp, counters, scaler))
             return written
 
         out = write_checkpoint_folder(dst, reader.iteration, stages, tp, write_rank,
@@ -166,9 +184,8 @@ def convert_upstream_checkpoint(folder, dst, tp, pp, force=False, with_optimizer
             written = {shard_name(t, p): torch_save_synced(read_shard_for(checkpoint, names, t, tp),
                                                            os.path.join(out, shard_name(t, p)))}
             if source is not None:
-                saved, index = optimizer_file(source, names, tp, t, counters, {}, flag="--load")
-                written[optimizer_name(t, p, 0)] = torch_save_synced(saved, os.path.join(out, optimizer_name(t, p, 0)))
-                written[index_name(t, p, 0)] = write_text_synced(index, os.path.join(out, index_name(t, p, 0)))
+                written.update(write_optimizer_file(out, t, p, source, checkpoint.shapes, names, tp, counters,
+                                                    {}))
             return written
 
         out = write_checkpoint_folder(dst, checkpoint.iteration, stages, tp, write_rank,
