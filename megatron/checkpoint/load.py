@@ -3,10 +3,10 @@
 Same layout (TP, PP, DP, ZeRO stage, precision): the weights from the model shards, then each parameter's
 optimizer state region by region from this rank's files (megatron/checkpoint/optimizer_state.py): the exact path.
 
-Another layout (or precision): the weights are merged along each tensor's partition dim and re-split for this
-run's TP rank; the optimizer state is read per parameter through the index files (megatron/checkpoint/
-saved_optimizer.py), whatever wrapper wrote it, and written into this run's wrapper (optimizer_state.
-restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
+Another layout (or precision): of each tensor this rank reads only its new TP slice, from the saved slices that
+overlap it; the optimizer state is read per parameter through the index files (megatron/checkpoint/
+saved_optimizer.py), whatever wrapper wrote it, only each local slot's region (a ZeRO partition), and written into
+this run's wrapper (optimizer_state.restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
 over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
 Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/universal.py: meta.json's
 "optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files
@@ -15,6 +15,10 @@ path (fp32 moments, and the fp32 master where one was saved). Checkpoints writte
 this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
 engine.load_checkpoint. An upstream Megatron-DeepSpeed folder (global_stepN/, megatron/checkpoint/upstream.py) is
 resumed by upstream_resume.py.
+
+Reads are proportional to what a rank holds, on any layout (megatron/checkpoint/reads.py): files are memory-mapped
+and only the elements a rank needs are copied out; the index files are read once, by rank 0, and broadcast over the
+verification's gloo group. The load-time log line gives the most bytes any rank read.
 """
 import dataclasses
 import logging
