@@ -6,8 +6,8 @@ optimizer state region by region from this rank's files (megatron/checkpoint/opt
 Another layout (or precision): of each tensor this rank reads only its new TP slice, from the saved slices that
 overlap it; the optimizer state is read per parameter through the index files (megatron/checkpoint/
 saved_optimizer.py), whatever wrapper wrote it, only each local slot's region (a ZeRO partition), and written into
-this run's wrapper (optimizer_state.restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
-over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
+this run's wrapper (optimizer_state.restore_from_parameters); the step count, LR schedule, step counters, fp16
+loss scale and consumed samples carry over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
 Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/universal.py: meta.json's
 "optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files
 load the weights alone and restart the optimizer (a warning); a precision change takes the per-parameter
