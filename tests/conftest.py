@@ -57,6 +57,21 @@ def layout_resumed_on_zero1(layout_source, sample_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def layout_resumed_on_tp2_dp2(layout_source, sample_data, tmp_path_factory):
+    """layout_source's iteration-10 checkpoint resumed on TP 2 x PP 1 x DP 2 ZeRO-2 for iterations 11-20, saved at
+    iteration 15, each rank's bytes read counted (tests/checkpoint_reads.py): (the finished process, its output
+    folder: ckpt/, reads/, metrics.jsonl)."""
+    from tests.integration.test_layout_change import LAYOUTS, args
+    from tests.launch import run_pretrain
+    flags, nproc = LAYOUTS["tp2-pp1-dp2-zero2"]
+    out = tmp_path_factory.mktemp("layout_resumed_on_tp2_dp2")
+    proc = run_pretrain(args(sample_data, out, *flags, "--load", str(layout_source / "ckpt" / "iter_0000010"),
+                             "--save", str(out / "ckpt"), "--save-interval", "15"), nproc,
+                        extra_env={"MEGATRON_TEST_COUNT_READS": str(out / "reads")})
+    return proc, out
+
+
+@pytest.fixture(scope="session")
 def bf16_zero1_source(tmp_path_factory, sample_data):
     """A bf16 TP 1 x DP 2 ZeRO-1 run (2 processes) stopped after iteration 14 (--exit-interval; the schedule is
     --train-iters 20's), saved at iterations 10 and 14: its output folder (ckpt/, metrics.jsonl)."""

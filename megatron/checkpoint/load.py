@@ -3,11 +3,11 @@
 Same layout (TP, PP, DP, ZeRO stage, precision): the weights from the model shards, then each parameter's
 optimizer state region by region from this rank's files (megatron/checkpoint/optimizer_state.py): the exact path.
 
-Another layout (or precision): the weights are merged along each tensor's partition dim and re-split for this
-run's TP rank; the optimizer state is read per parameter through the index files (megatron/checkpoint/
-saved_optimizer.py), whatever wrapper wrote it, and written into this run's wrapper (optimizer_state.
-restore_from_parameters); the step count, LR schedule, step counters, fp16 loss scale and consumed samples carry
-over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
+Another layout (or precision): of each tensor this rank reads only its new TP slice, from the saved slices that
+overlap it; the optimizer state is read per parameter through the index files (megatron/checkpoint/
+saved_optimizer.py), whatever wrapper wrote it, only each local slot's region (a ZeRO partition), and written into
+this run's wrapper (optimizer_state.restore_from_parameters); the step count, LR schedule, step counters, fp16
+loss scale and consumed samples carry over; the per-rank RNG states do not (they belong to the old ranks). One warning names both layouts.
 Checkpoints converted offline (tools/convert_checkpoint.py, megatron/checkpoint/universal.py: meta.json's
 "optimizer_format": "parameters") always take this path, whatever the layout. Checkpoints without index files
 load the weights alone and restart the optimizer (a warning); a precision change takes the per-parameter
@@ -15,10 +15,15 @@ path (fp32 moments, and the fp32 master where one was saved). Checkpoints writte
 this layout (meta.json without "engine_state_version") hold DeepSpeed's own files and still load through
 engine.load_checkpoint. An upstream Megatron-DeepSpeed folder (global_stepN/, megatron/checkpoint/upstream.py) is
 resumed by upstream_resume.py.
+
+Reads are proportional to what a rank holds, on any layout (megatron/checkpoint/reads.py): files are memory-mapped
+and only the elements a rank needs are copied out; the index files are read once, by rank 0, and broadcast over the
+verification's gloo group. The load-time log line gives the most bytes any rank read.
 """
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 
@@ -26,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint import optimizer_state
-from megatron.checkpoint import verify, zero3
+from megatron.checkpoint import reads, verify, zero3
 from megatron.checkpoint.format import (CheckpointError, converted, has_parameter_index,
                                         layout_text, optimizer_name, partitioned_shard_name, read_meta,
                                         read_saved_config, rng_name, saved_layout_text)
-from megatron.checkpoint.saved_optimizer import SavedOptimizer, target_slice
+from megatron.checkpoint.saved_optimizer import SavedOptimizer, read_indexes
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,7 @@ class ResumeState:
     finished: bool = False  # the checkpoint is the run's last: nothing was loaded, nothing is to be trained
     verify_seconds: float = None  # the ranks' shared checksum pass
     load_seconds: float = None  # reading the files into the engine, after verification
+    load_bytes: int = None  # the most bytes any rank read to load (reads.py's count)
 
 
 def set_rng_state(state):
@@ -82,21 +88,39 @@ def _read_engine_state(folder, tp_rank, pp_rank, dp_rank, mmap=False):
         raise CheckpointError(f"--load {folder}: {path} is missing although meta.json records the optimizer "
                               "state; the checkpoint is incomplete (load an older one, or pass --no-load-optim "
                               "to resume from the weights alone)")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    return reads.load_mapped(path) if mmap else torch.load(path, map_location="cpu", weights_only=False)
 
 
-def load_engine_state(engine, folder, state, load_optimizer=True, num_layers=None):
+def shared_indexes(verifier, folder, meta):
+    """saved_optimizer.read_indexes' dict, read by global rank 0 alone and broadcast over the verification's gloo
+    group (verify.Verifier): each index file opened once, not by every rank (world x world opens on a layout
+    change). Collective. An unreadable index raises the same error on every rank."""
+    found = None
+    if verifier.rank == 0:
+        try:
+            found = read_indexes(folder, meta)
+        except (OSError, ValueError, KeyError) as err:
+            found = err
+    found = verifier.broadcast(found)
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def load_engine_state(engine, folder, state, verifier, load_optimizer=True, num_layers=None):
     """Restores each rank's optimizer state, LR schedule position, step counters and loss scale (optimizer_state)
     into an engine whose module holds the checkpoint's weights, saved on this layout: each parameter's region read
     from this TP rank's files of this stage (and the first stage's, for the tied embedding). --no-load-optim
     (load_optimizer=False) keeps the fresh optimizer and schedule and copies the weights into the fp32 master
-    weights. Returns the saved LR scheduler state (None when not restored). state: the run's ParallelState."""
+    weights. Returns the saved LR scheduler state (None when not restored). state: the run's ParallelState;
+    verifier: the verification's Verifier (its group shares the index files). Collective."""
     if not load_optimizer:
         optimizer_state.refresh_master_weights(engine)
         return None
     try:
-        source = SavedOptimizer(folder, read_meta(folder), tp_ranks=[state.tp_rank],
-                                pp_ranks=sorted({0, state.pp_rank}))
+        meta = read_meta(folder)
+        source = SavedOptimizer(folder, meta, tp_ranks=[state.tp_rank], pp_ranks=sorted({0, state.pp_rank}),
+                                indexes=shared_indexes(verifier, folder, meta))
         optimizer_state.restore_from_parameters(engine, source, num_layers, state.pp_rank,
                                                 state.tensor_model_parallel_size, state.tp_rank)
     except (OSError, ValueError, KeyError) as err:
@@ -112,10 +136,11 @@ def load_engine_state(engine, folder, state, load_optimizer=True, num_layers=Non
 def load_model_weights(module, folder, num_layers, state, zero_stage=0):
     """Loads our canonical shards into this rank's module. With the checkpoint's TP and PP sizes: the stage's own
     file and stage 0's (the tied embedding); with another PP size, every stage's file (the names are the whole
-    model's); with another TP size, every TP rank's files, each tensor's slices concatenated along the partition
-    dim the shard records and this rank's slice cut out (saved_optimizer.target_slice). Under ZeRO-3 each rank
-    fills its own parts of the parameters, one parameter at a time, nothing gathered (zero3.load_partitions)."""
-    from megatron.model.pipeline import load_canonical_state_dict
+    model's); with another TP size, every TP rank's files. The files are memory-mapped, and of each tensor this
+    rank holds only its TP slice is read, straight from the saved slices that overlap it (reads.read_slice): no
+    whole tensor is assembled, and tensors of other stages are never read. Under ZeRO-3 each rank fills its own
+    parts of the parameters, one parameter at a time, nothing gathered (zero3.load_partitions)."""
+    from megatron.model.pipeline import canonical_name, is_pipeline_module, load_canonical_state_dict
     meta = read_meta(folder)
     tp = state.tensor_model_parallel_size
     saved_tp = meta.get("tensor_model_parallel_size") or tp
@@ -129,33 +154,37 @@ def load_model_weights(module, folder, num_layers, state, zero_stage=0):
             for name in shard["weights"]:
                 pieces.setdefault(name, {})[t] = shard["weights"]
                 dims[name] = shard["partition_dims"].get(name)
+    names = module.state_dict().keys()
+    needed = {canonical_name(n, num_layers) for n in names} if is_pipeline_module(module) else set(names)
     live_dims = optimizer_state.canonical_partition_dims(module, num_layers) if saved_tp != tp else {}
 
-    def weight(name):  # this rank's slice of tensor `name`, read when called
+    def weight(name):  # this rank's TP slice of tensor `name`, read when called (only that slice's bytes)
         by_rank = pieces[name]
-        if saved_tp == tp:
-            return by_rank[state.tp_rank][name]
         dim = dims[name] if dims[name] is not None else live_dims.get(name)  # older TP-1 shards record none
-        whole = torch.cat([by_rank[t][name] for t in range(saved_tp)], dim) if dim is not None else by_rank[0][name]
+        saved_shape, dtype = zero3.tensor_spec(next(iter(by_rank.values())), name)
         try:
-            return target_slice(whole, dim, tp, state.tp_rank)
+            shape = reads.slice_shape(list(saved_shape), dim, saved_tp, tp)
         except ValueError as err:
             raise CheckpointError(f"--load {folder}: {name} cannot be split for --tensor-model-parallel-size "
                                   f"{tp} ({err}); pick a TP size that divides it") from None
+        flat, _ = reads.read_slice(lambda t, lo, hi: [(0, by_rank[t][name].reshape(-1))], list(saved_shape), dim,
+                                   saved_tp, tp, state.tp_rank, 0, math.prod(shape), dtype)
+        return flat.view(shape)
 
+    wanted = [name for name in pieces if name in needed]
     if zero_stage == 3:
         own = os.path.join(folder, partitioned_shard_name(state.tp_rank, state.pp_rank, state.dp_rank))
         same_parts = saved_tp == tp and meta.get("data_parallel_size") == state.data_parallel_size
-        zero3.load_partitions(module, {name: functools.partial(weight, name) for name in pieces},
+        zero3.load_partitions(module, {name: functools.partial(weight, name) for name in wanted},
                               _read_shard(folder, own) if same_parts and os.path.isfile(own) else None)
     else:
-        load_canonical_state_dict(module, {name: weight(name) for name in pieces}, num_layers)
+        load_canonical_state_dict(module, {name: weight(name) for name in wanted}, num_layers)
 
 
 def _read_shard(folder, path):
     if not os.path.isfile(path):
         raise CheckpointError(f"--load {folder}: {path} is missing; the checkpoint is incomplete (load another one)")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return reads.load_mapped(path, weights_only=True)
 
 
 def load_checkpoint(engine, config, state):
@@ -173,8 +202,9 @@ def load_checkpoint(engine, config, state):
     if upstream_folder is not None:  # BigScience / Microsoft Megatron-DeepSpeed's layout
         from megatron.checkpoint import upstream_resume
         return ResumeState(*upstream_resume.resume(engine, config, state, upstream_folder))
+    verifier = verify.Verifier(ckpt.checkpoint_verify_timeout_minutes)
     folder, verify_seconds = verify.choose_checkpoint(ckpt.load, ckpt.strict_load,
-                                                      ckpt.checkpoint_verify_timeout_minutes)
+                                                      ckpt.checkpoint_verify_timeout_minutes, verifier)
     if folder is None:
         if ckpt.strict_load or ckpt.finetune:
             raise CheckpointError(f"--load {ckpt.load}: no complete checkpoint found")
@@ -187,6 +217,7 @@ def load_checkpoint(engine, config, state):
             logger.info("%s", message)
         return ResumeState(meta["iteration"], meta["consumed_samples"], finished=True)
     start = time.perf_counter()
+    reads.reset()
     same_layout = (meta.get("deepspeed_state") and not converted(meta) and
                    meta["tensor_model_parallel_size"] == state.tensor_model_parallel_size and
                    meta["pipeline_model_parallel_size"] == state.pipeline_model_parallel_size and
@@ -197,7 +228,7 @@ def load_checkpoint(engine, config, state):
         has_parameter_index(folder, meta)  # a precision change too: the index holds fp32 moments (and master)
     if layout_change:
         load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
-        _restore_on_new_layout(engine, folder, meta, config, state)
+        _restore_on_new_layout(engine, folder, meta, config, state, verifier)
         _warn_schedule_change(engine, folder, config)
     elif ckpt.finetune or not same_layout:
         load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
@@ -215,31 +246,35 @@ def load_checkpoint(engine, config, state):
             schedule_restored = not ckpt.no_load_optim
         else:
             load_model_weights(engine.module, folder, config.model.num_layers, state, config.training.zero_stage)
-            schedule_restored = load_engine_state(engine, folder, state, not ckpt.no_load_optim,
+            schedule_restored = load_engine_state(engine, folder, state, verifier, not ckpt.no_load_optim,
                                                   config.model.num_layers) is not None
         if schedule_restored:
             _warn_schedule_change(engine, folder, config)
     rng_path = os.path.join(folder, rng_name(state.rank))
     rng = None
     if not ckpt.no_load_rng and not layout_change and os.path.isfile(rng_path):
-        rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+        rng = reads.load_whole(rng_path)
     load_seconds = time.perf_counter() - start
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info("resumed from %s at iteration %d (verified in %.2f s, loaded in %.2f s)", folder,
-                    meta["iteration"], verify_seconds, load_seconds)
+    reads.write_report(state.rank, folder)
+    load_bytes = verifier.maximum(reads.bytes_read())
+    if verifier.rank == 0:
+        logger.info("resumed from %s at iteration %d (verified in %.2f s, loaded in %.2f s, at most %.3f GB read "
+                    "by one rank)", folder, meta["iteration"], verify_seconds, load_seconds, load_bytes / 1e9)
     return ResumeState(meta["iteration"], meta["consumed_samples"], rng, verify_seconds=verify_seconds,
-                       load_seconds=load_seconds)
+                       load_seconds=load_seconds, load_bytes=load_bytes)
 
 
-def _restore_on_new_layout(engine, folder, meta, config, state):
+def _restore_on_new_layout(engine, folder, meta, config, state, verifier):
     """The optimizer state, step count, LR schedule position and step counters of a checkpoint saved on another
-    layout (TP, PP, DP, ZeRO stage), per parameter through its index files. The module holds the weights."""
+    layout (TP, PP, DP, ZeRO stage), per parameter through its index files (read once, shared_indexes); each
+    rank reads only its slots' regions of its TP slices. The module holds the weights. Collective."""
     any_dp = converted(meta)  # one file per TP x PP rank, for any DP size and ZeRO stage
     before = saved_layout_text(meta)
     now = layout_text(state.tensor_model_parallel_size, state.pipeline_model_parallel_size,
                       state.data_parallel_size, config.training.zero_stage, config.precision.name)
     try:
-        source = SavedOptimizer(folder, {**meta, "data_parallel_size": 1} if any_dp else meta)
+        saved_meta = {**meta, "data_parallel_size": 1} if any_dp else meta
+        source = SavedOptimizer(folder, saved_meta, indexes=shared_indexes(verifier, folder, saved_meta))
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"--load {folder}: its per-parameter optimizer index is unreadable ({err}); load "
                               "another checkpoint, or pass --no-load-optim to resume from the weights alone") from None

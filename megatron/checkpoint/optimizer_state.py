@@ -17,8 +17,8 @@ DP rank 0; the pipeline's tied word embedding only by the first stage (the last 
 the first stage's, and reads its state from the first stage's files on load).
 
 Restoring, on the same layout or another, is one loop (restore_from_parameters): each of this rank's slots reads
-its region from the saved files (on the same TP size straight from the pieces that overlap it, on another from the
-TP slices merged and re-split) and the adapter writes it into the wrapper. Checkpoints of FORMAT 2 (DeepSpeed's
+its region from the saved files, on any TP size only the saved elements that overlap it (SavedOptimizer.window),
+and the adapter writes it into the wrapper. Checkpoints of FORMAT 2 (DeepSpeed's
 state_dict per rank, indexed by paths into it) restore through the same loop; FORMAT 1 (DeepSpeed's own files)
 through engine.load_checkpoint (megatron/checkpoint/load.py).
 """
@@ -99,10 +99,10 @@ def collect(engine, num_layers, pp_rank, dp_rank):
 
 
 def _region(source, slot, key, dim, tp, tp_rank):
-    """slot's region of the saved state `key`, as 1-D fp32: on the saved TP size straight from the pieces that
-    overlap it, on another from the whole parameter re-split for tp_rank."""
-    if isinstance(source, SavedOptimizer) and source.tp == tp:
-        return source.region(slot.name, key, tp_rank, slot.start, slot.numel)
+    """slot's region of the saved state `key`, as 1-D fp32: from our checkpoints only the saved elements that
+    overlap it (SavedOptimizer.window, on any TP size); from upstream.py's readers, the whole parameter re-split."""
+    if isinstance(source, SavedOptimizer):
+        return source.window(slot.name, key, tp, tp_rank, slot.start, slot.numel, dim)
     whole = target_slice(source.full(slot.name, key, dim), dim, tp, tp_rank)
     return whole.reshape(-1)[slot.start:slot.start + slot.numel]
 

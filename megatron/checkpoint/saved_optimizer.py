@@ -29,6 +29,7 @@ import os
 import torch
 
 from megatron.checkpoint.format import index_name, optimizer_name
+from megatron.checkpoint.reads import load_mapped, read_json, read_slice
 from megatron.checkpoint.streams import OpenFiles
 
 VERSION = 2
@@ -76,40 +77,51 @@ def _pieces(name, entry):
     return out
 
 
+def read_indexes(folder, meta, tp_ranks=None, pp_ranks=None):
+    """{(tp, pp, dp): index} of a checkpoint folder's index files (of the TP ranks and stages given; default all).
+    A training run has one rank read them and broadcast them (load.py), instead of every rank opening every file.
+    Raises FileNotFoundError naming a missing DP rank 0 index (checkpoints written before the index existed)."""
+    indexes = {}
+    for t in range(meta["tensor_model_parallel_size"]) if tp_ranks is None else tp_ranks:
+        for p in range(meta["pipeline_model_parallel_size"]) if pp_ranks is None else pp_ranks:
+            for d in range(meta["data_parallel_size"]):
+                path = os.path.join(folder, index_name(t, p, d))
+                if not os.path.isfile(path):
+                    if d == 0:
+                        raise FileNotFoundError(path)
+                    continue  # replicated state: DP rank 0's file serves all
+                indexes[(t, p, d)] = read_json(path)
+    return indexes
+
+
 class SavedOptimizer:
     """The per-parameter optimizer state of a checkpoint folder, read through its index files.
 
-    meta: the folder's meta.json; tp_ranks / pp_ranks: the saved TP ranks and stages to index (default all).
+    meta: the folder's meta.json; tp_ranks / pp_ranks: the saved TP ranks and stages to index (default all);
+    indexes: read_indexes' dict, read once by one rank and broadcast (default: read here).
     Files are opened lazily (memory-mapped) and dropped after streams.READ_BLOCK_BYTES read through them
     (streams.OpenFiles), so memory stays bounded for any model. Raises FileNotFoundError naming a missing index
     (checkpoints written before the index existed)."""
 
-    def __init__(self, folder, meta, tp_ranks=None, pp_ranks=None):
+    def __init__(self, folder, meta, tp_ranks=None, pp_ranks=None, indexes=None):
         self.folder = folder
         self.tp = meta["tensor_model_parallel_size"]
-        self.pp = meta["pipeline_model_parallel_size"]
-        dp = meta["data_parallel_size"]
         self.locations = {}  # name -> {tp_rank: [(file, piece)]}
         self.entries = {}  # name -> {tp_rank: entry}
         self.step = None
         # mapped files dropped after every READ_BLOCK_BYTES read through them: bounded RSS for any model size
-        self._files = OpenFiles(lambda path: torch.load(path, map_location="cpu", weights_only=False, mmap=True))
-        for t in range(self.tp) if tp_ranks is None else tp_ranks:
-            for p in range(self.pp) if pp_ranks is None else pp_ranks:
-                for d in range(dp):
-                    path = os.path.join(folder, index_name(t, p, d))
-                    if not os.path.isfile(path):
-                        if d == 0:
-                            raise FileNotFoundError(path)
-                        continue  # replicated state: DP rank 0's file serves all
-                    with open(path) as f:
-                        index = json.load(f)
-                    if self.step is None:
-                        self.step = index["step"]
-                    for name, entry in index["params"].items():
-                        self.entries.setdefault(name, {})[t] = entry
-                        places = self.locations.setdefault(name, {}).setdefault(t, [])
-                        places.extend((optimizer_name(t, p, d), piece) for piece in _pieces(name, entry))
+        self._files = OpenFiles(load_mapped)
+        if indexes is None:
+            indexes = read_indexes(folder, meta, tp_ranks, pp_ranks)
+        for (t, p, d), index in sorted(indexes.items()):
+            if (tp_ranks is not None and t not in tp_ranks) or (pp_ranks is not None and p not in pp_ranks):
+                continue
+            if self.step is None:
+                self.step = index["step"]
+            for name, entry in index["params"].items():
+                self.entries.setdefault(name, {})[t] = entry
+                places = self.locations.setdefault(name, {}).setdefault(t, [])
+                places.extend((optimizer_name(t, p, d), piece) for piece in _pieces(name, entry))
 
     def names(self):
         return sorted(self.entries)
@@ -125,18 +137,27 @@ class SavedOptimizer:
     def region(self, name, key, tp_rank, start, numel):
         """Elements [start, start + numel) of saved TP rank tp_rank's flattened slice of parameter `name`'s state
         `key` ("fp32", "exp_avg", "exp_avg_sq"), as fp32, from the saved regions that overlap them."""
-        out = torch.zeros(numel, dtype=torch.float32)
-        covered = 0
-        for file, (begin, length, _, locate) in self.locations[name][tp_rank]:
-            lo, hi = max(begin, start), min(begin + length, start + numel)
-            if lo >= hi:
-                continue
-            source, offset = locate(self._files.get(os.path.join(self.folder, file)), key)
-            out[lo - start:hi - start] = source.reshape(-1)[offset + lo - begin:offset + hi - begin].float()
-            self._files.charge((hi - lo) * source.element_size())
-            covered += hi - lo
-        if covered != numel:
-            raise ValueError(f"{self.folder}: the optimizer files hold {covered} of {numel} elements of {name}'s "
+        return self.window(name, key, self.tp, tp_rank, start, numel)
+
+    def window(self, name, key, tp, tp_rank, start, numel, dim=None):
+        """Elements [start, start + numel) of TP rank tp_rank's (of tp, any TP size) flattened slice of parameter
+        `name`'s state `key`, as fp32: only the overlapping parts of the saved regions are read (reads.read_slice),
+        never the whole parameter. dim: the partition dim where the index records none."""
+        recorded = self.partition_dim(name)
+        dim = recorded if recorded is not None else dim
+        shape = next(iter(self.entries[name].values()))["shape"]
+
+        def pieces(t, lo, hi):
+            out = []
+            for file, (begin, length, _, locate) in self.locations[name].get(t, ()):
+                if begin < hi and begin + length > lo:
+                    source, offset = locate(self._files.get(os.path.join(self.folder, file)), key)
+                    out.append((begin, source.reshape(-1)[offset:offset + length]))
+                    self._files.charge((min(hi, begin + length) - max(lo, begin)) * source.element_size())
+            return out
+        out, found = read_slice(pieces, shape, dim, self.tp, tp, tp_rank, start, numel, torch.float32)
+        if found != numel:
+            raise ValueError(f"{self.folder}: the optimizer files hold {found} of {numel} elements of {name}'s "
                              f"{key} for TP rank {tp_rank}")
         return out
 

@@ -66,6 +66,14 @@ class Verifier:
         self._collective(dist.broadcast_object_list, box, src=src)
         return box[0]
 
+    def maximum(self, value):
+        """The largest of the ranks' integers."""
+        if not self.distributed:
+            return value
+        flag = torch.tensor([value], dtype=torch.int64)
+        self._collective(dist.all_reduce, flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
     def __call__(self, folder):
         """None when folder is complete, else the reason (the same on every rank)."""
         files, reason = read_manifest(folder) if self.rank == 0 else (None, None)
@@ -93,12 +101,12 @@ class Verifier:
         return None
 
 
-def choose_checkpoint(root, strict=False, timeout_minutes=60):
+def choose_checkpoint(root, strict=False, timeout_minutes=60, verifier=None):
     """The folder to resume from (format.find_checkpoint's choice and messages), its files checked by every rank
-    sharing the reads (Verifier). Collective. Logs the time it took, once (rank 0). Returns (folder or None,
-    seconds)."""
+    sharing the reads (Verifier; the caller's, whose group it then reuses for the load, or a new one). Collective.
+    Logs the time it took, once (rank 0). Returns (folder or None, seconds)."""
     start = time.perf_counter()
-    verifier = Verifier(timeout_minutes)
+    verifier = verifier or Verifier(timeout_minutes)
     single = is_tag_folder(root) and os.path.isdir(root)  # an iter_* folder named directly
     candidates = None
     if verifier.rank == 0:

@@ -29,6 +29,7 @@ import re
 
 import pytest
 
+from tests.checkpoint_reads import assert_reads_within_share
 from tests.launch import TINY_MODEL, TOKENIZER, run_pretrain
 
 LOSS_TOLERANCE = 2e-5
@@ -72,6 +73,9 @@ def test_resume_on_another_layout_equals_uninterrupted(layout, source, sample_da
     flags, nproc = LAYOUTS[layout]
     if layout == "tp1-pp1-dp2-zero1":  # shared with test_convert_checkpoint.py (tests/conftest.py)
         proc, tmp_path = request.getfixturevalue("layout_resumed_on_zero1")
+    elif layout == "tp2-pp1-dp2-zero2":  # shared with the TP 1 x DP 4 resume below; its reads counted
+        proc, tmp_path = request.getfixturevalue("layout_resumed_on_tp2_dp2")
+        assert_reads_within_share(tmp_path / "reads", source / "ckpt" / "iter_0000010", tp=2, dp=2, zero=2)
     else:
         proc = run_pretrain(args(sample_data, tmp_path, *flags, "--load", str(source / "ckpt" / "iter_0000010")),
                             nproc)
@@ -85,14 +89,29 @@ def test_resume_on_another_layout_equals_uninterrupted(layout, source, sample_da
     assert_continues(source / "metrics.jsonl", tmp_path / "metrics.jsonl", LOSS_TOLERANCE)
 
 
-def assert_continues(straight_file, resumed_file, loss_tolerance, norm_rtol=GRAD_NORM_RTOL, last=20):
+def assert_continues(straight_file, resumed_file, loss_tolerance, norm_rtol=GRAD_NORM_RTOL, last=20, first=11):
     straight, resumed = records(straight_file), records(resumed_file)
-    assert sorted(resumed) == list(range(11, last + 1))
-    for iteration in range(11, last + 1):
+    assert sorted(resumed) == list(range(first, last + 1))
+    for iteration in range(first, last + 1):
         now, then = resumed[iteration], straight[iteration]
         assert abs(now["lm_loss"] - then["lm_loss"]) <= loss_tolerance, (iteration, now["lm_loss"], then["lm_loss"])
         assert now["lr"] == then["lr"], iteration
         assert abs(now["grad_norm"] - then["grad_norm"]) <= norm_rtol * then["grad_norm"], iteration
+
+
+@pytest.mark.slow
+def test_tp2_dp2_resumed_on_tp1_dp4_reads_only_its_share(source, layout_resumed_on_tp2_dp2, sample_data, tmp_path):
+    """The TP 2 x DP 2 ZeRO-2 continuation's iteration-15 checkpoint resumed on TP 1 x DP 4 ZeRO-1: each rank
+    reads its quarter of the merged TP slices (tests/checkpoint_reads.py), and iterations 16-20 equal the
+    uninterrupted run's."""
+    folder = layout_resumed_on_tp2_dp2[1] / "ckpt" / "iter_0000015"
+    proc = run_pretrain(args(sample_data, tmp_path, "--tensor-model-parallel-size", "1", "--zero-stage", "1",
+                             "--load", str(folder)), 4,
+                        extra_env={"MEGATRON_TEST_COUNT_READS": str(tmp_path / "reads")})
+    assert ("resuming on another layout: the checkpoint was trained on TP 2, PP 1, DP 2, ZeRO 2, fp32, this run "
+            "is TP 1, PP 1, DP 4, ZeRO 1, fp32") in proc.stderr
+    assert_reads_within_share(tmp_path / "reads", folder, tp=1, dp=4, zero=1)
+    assert_continues(source / "metrics.jsonl", tmp_path / "metrics.jsonl", LOSS_TOLERANCE, first=16)
 
 
 @pytest.mark.slow
