@@ -221,6 +221,22 @@ def test_host_work_per_id_does_not_grow_with_the_length(tokenizer):
     assert abs(per_id[512] - per_id[64]) < 0.25
 
 
+def test_without_stop_strings_an_update_is_two_detokenize_calls_whatever_its_length(tokenizer):
+    """The loop's work per engine sync and row: one window for all the sync's ids, not one per id."""
+    words = tokenizer.tokenize(" the quick brown fox jumps over a lazy dog" * 30)[:256]
+    calls = []
+
+    def detokenize(ids):
+        calls.append(len(ids))
+        return tokenizer.detokenize(ids)
+
+    for per_update in (1, 8, 32):
+        calls.clear()
+        state = IncrementalText(detokenize, eod_id=2)
+        assert "".join(feed(state, words, per_update)) == tokenizer.detokenize(words)
+        assert len(calls) == 2 * len(words) // per_update
+
+
 def test_stop_strings_cut_the_text_and_never_leak(tokenizer):
     text = "Hello world, hello there, hello again"
     ids = tokenizer.tokenize(text)
