@@ -9,15 +9,19 @@ at the same batch (tokens/s), with time to first token and per output token.
         [--clients 1 8 32 64 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
 
 A child process builds the model and one InferenceEngine (max batch = the most clients, every decode graph captured
-at start-up as tools/run_text_generation_server.py does), times the engine alone at each client count (engine.generate
-of that many prompts at once, the clients' own prompts, warm, best of --repeats: what the server could reach), then
-serves the same engine with megatron.inference.server (the code behind tools/run_text_generation_server.py) on a
-free port of 127.0.0.1. Each client is a thread that sends --requests-per-client streamed completions one after
-another: a fixed --prompt-len token prompt (token ids, different per client), --new-tokens tokens, greedy, eod
-ignored so every completion has exactly --new-tokens tokens. One warm-up request comes first. Per concurrency:
-aggregate tokens/s (all completion tokens / wall time of the round), the engine's tokens/s at that batch and the
-ratio server / engine, time to first token (request sent -> first text chunk: p50, p95, max) and time per output
-token after the first ((last - first chunk) / (tokens - 1)), p50 and p95 over the requests.
+at start-up as tools/run_text_generation_server.py does; --compile-mode, --graph-step and --gemm as the tool's),
+times the engine alone at each client count on the clients' own workload (engine_ramp: each client's
+--requests-per-client requests one after another, the next added as soon as the last finishes, rounds of
+--steps-per-sync steps overlapped as the server runs them; warm, best of --repeats: what the server could reach with
+HTTP, the event loop and its thread costing nothing), then serves the same engine with megatron.inference.server (the
+code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1. Each client is a thread that sends
+--requests-per-client streamed completions one after another: a fixed --prompt-len token prompt (token ids,
+different per client), --new-tokens tokens, greedy, eod ignored so every completion has exactly --new-tokens tokens.
+One warm-up request comes first. Per concurrency: aggregate tokens/s (all completion tokens / wall time of the
+round), the engine's tokens/s on the same workload and the ratio server / engine, time to first token (request sent
+-> first text chunk: p50, p95, max) and time per output token after the first ((last - first chunk) / (tokens - 1)),
+p50 and p95 over the requests. A second table says where the time went, per engine round, for the engine alone and
+the server (the engine's round counters, and the server's from GET /health before and after each concurrency).
 """
 import argparse
 import http.client
@@ -41,6 +45,8 @@ TINY_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
 
 
 def parse_args(argv=None):
+    from megatron.inference.loading import add_decode_flags
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
     parser.add_argument("--tiny", action="store_true", help=f"a small fp32 model ({TINY_MODEL}) on the CPU")
@@ -61,6 +67,7 @@ def parse_args(argv=None):
                         help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
                              "the CPU); the engine figures are then the TP engine's")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    add_decode_flags(parser)
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: the server process
     args = parser.parse_args(argv)
@@ -136,7 +143,7 @@ def child(args):
     import torch
 
     from megatron.inference import InferenceEngine, SamplingParams
-    from megatron.inference.loading import setup_tensor_parallel, tp_token_sync
+    from megatron.inference.loading import decode_options, setup_tensor_parallel, tp_token_sync
     from megatron.inference.server import ServerSettings, bind, serve, serve_tensor_parallel
 
     if args.threads:
@@ -149,11 +156,13 @@ def child(args):
     model, tokenizer = build_model(args, device, dtype, state)
     context = args.prompt_len + args.new_tokens
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens)
+    cuda_graphs = device.type == "cuda"
     engine = InferenceEngine(model, max_batch_size=max(args.clients), max_seq_len=context, eod_id=None,
-                             vocab_limit=tokenizer.vocab_size, cuda_graphs=device.type == "cuda",
-                             sync_tokens=tp_token_sync(state) if tp > 1 else None)
+                             vocab_limit=tokenizer.vocab_size, cuda_graphs=cuda_graphs,
+                             sync_tokens=tp_token_sync(state) if tp > 1 else None,
+                             **decode_options(args, device.type, tp, cuda_graphs))
     prompts = [client_prompt(args, tokenizer.vocab_size, i) for i in range(max(args.clients))]
-    figures = {"vocab_size": tokenizer.vocab_size, "engine_tokens_per_s": {}}
+    figures = {"vocab_size": tokenizer.vocab_size, "engine_tokens_per_s": {}, "engine_rounds": {}}
 
     def time_engine():  # on a thread of its own, as the server's engine runs
         if device.type == "cuda":
@@ -163,18 +172,20 @@ def child(args):
         figures["graphs"] = len(engine._graphs)
         figures["capture_s"] = time.perf_counter() - start
         for clients in args.clients:
-            engine.generate(prompts[:clients], params, steps_per_sync=args.steps_per_sync)  # warm
+            engine_ramp(engine, prompts[:clients], params, args.requests_per_client, args.steps_per_sync)  # warm
             timings = []
             for _ in range(args.repeats):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = engine.generate(prompts[:clients], params, steps_per_sync=args.steps_per_sync)
+                before, start = dict(engine.stats), time.perf_counter()
+                tokens = engine_ramp(engine, prompts[:clients], params, args.requests_per_client,
+                                     args.steps_per_sync)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                timings.append((time.perf_counter() - start, sum(len(o) for o in out)))
-            seconds, tokens = min(timings)
+                timings.append((time.perf_counter() - start, tokens, difference(engine.stats, before)))
+            seconds, tokens, rounds = min(timings, key=lambda t: t[0])
             figures["engine_tokens_per_s"][clients] = tokens / seconds
+            figures["engine_rounds"][clients] = rounds
 
     thread = threading.Thread(target=time_engine)
     thread.start()
@@ -191,6 +202,47 @@ def child(args):
                                  else None)
     shutdown_distributed()
     return code
+
+
+def engine_ramp(engine, prompts, params, requests_per_client, steps_per_sync):
+    """The clients' workload on the engine alone: client i's requests (prompt i) one after another, the next added
+    as soon as the last finishes, every round overlapped (engine.step(overlap=True)) as the server runs them.
+    Returns the tokens generated."""
+    left, owner, tokens = [requests_per_client] * len(prompts), {}, 0
+
+    def add(client):
+        left[client] -= 1
+        owner[engine.add_request(prompts[client], params)] = client
+
+    for client in range(len(prompts)):
+        add(client)
+    while engine.has_work():
+        for done in engine.step(steps_per_sync, overlap=True):
+            tokens += len(done.output)
+            client = owner.pop(done)
+            if left[client]:
+                add(client)
+    return tokens
+
+
+def difference(after, before):
+    """The counters of after less those of before (the numbers; nested dicts too)."""
+    return {key: difference(value, before.get(key, {})) if isinstance(value, dict) else value - before.get(key, 0)
+            for key, value in after.items() if isinstance(value, (int, float, dict))}
+
+
+def per_round(rounds, server=None):
+    """Where a concurrency's time went, per engine round (ms), from the engine's round counters (and the server's
+    GET /health counters: its thread's host time between steps and the event loop's time per id)."""
+    n = max(rounds["rounds"], 1)
+    row = {"rounds": rounds["rounds"], "prefill_rounds": rounds["prefill_rounds"],
+           "admitted_per_prefill": rounds["admitted"] / max(rounds["prefill_rounds"], 1),
+           "steps_per_round": rounds["decode_steps"] / n}
+    for key in ("launch", "wait", "read", "device", "device_gap"):
+        row[f"{key}_ms"] = rounds[f"{key}_s"] * 1e3 / n
+    row["host_ms"] = server["host_s"] * 1e3 / n if server else None
+    row["loop_us_per_id"] = server["deliver_s"] * 1e6 / max(server["delivered_ids"], 1) if server else None
+    return row
 
 
 def client_prompt(args, vocab_size, client):
@@ -292,7 +344,8 @@ def main(argv=None):
         for line in proc.stdout:
             if line.startswith("ENGINE "):
                 engine = json.loads(line[len("ENGINE "):])
-                engine["engine_tokens_per_s"] = {int(k): v for k, v in engine["engine_tokens_per_s"].items()}
+                for key in ("engine_tokens_per_s", "engine_rounds"):
+                    engine[key] = {int(k): v for k, v in engine[key].items()}
             match = re.match(r"serving \S+ at http://127\.0\.0\.1:(\d+) \(pid (\d+)\)", line)
             if match:
                 port, server_pid = int(match.group(1)), int(match.group(2))
@@ -309,9 +362,13 @@ def main(argv=None):
         print(f"{'clients':>7} {'server tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'TTFT p50':>9} {'p95':>8} "
               f"{'max':>8} {'TPOT p50':>9} {'p95':>8}  (ms)")
         for clients in args.clients:
+            before = health(port)
             row = summarize(clients, run_round(args, port, clients, vocab_size))
+            served = difference(health(port), before)
             row["engine_tokens_per_s"] = engine["engine_tokens_per_s"][clients]
             row["server_vs_engine"] = row["tokens_per_s"] / row["engine_tokens_per_s"]
+            row["engine_per_round"] = per_round(engine["engine_rounds"][clients])
+            row["server_per_round"] = per_round(served["rounds"], served)
             rows.append(row)
             print(f"{clients:>7} {row['tokens_per_s']:>12.1f} {row['engine_tokens_per_s']:>12.1f} "
                   f"{row['server_vs_engine']:>6.2f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} "
@@ -326,8 +383,11 @@ def main(argv=None):
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-    print("server / engine at the same batch: " + ", ".join(f"{r['clients']} clients {r['server_vs_engine']:.2f}x"
-                                                             for r in rows) + f"; server exit code {code}")
+    print_rounds(rows, args.device == "cuda")
+    print("server / engine (ratio: the server's tokens/s through HTTP over the engine's alone on the same requests, "
+          "the same engine and process; 1.00 = HTTP, the event loop and the server's thread cost nothing): "
+          + ", ".join(f"{r['clients']} clients {r['server_vs_engine']:.2f}x" for r in rows)
+          + f"; server exit code {code}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": device_name(args), "date": time.strftime("%Y-%m-%d"), "args": vars(args),
@@ -340,6 +400,39 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def health(port):
+    """GET /health's counters."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/health")
+    body = json.loads(connection.getresponse().read())
+    connection.close()
+    return body
+
+
+def print_rounds(rows, device_timing):
+    """The per-round table: where each concurrency's time went, engine alone and server."""
+    if not rows:
+        return
+    print("per engine round (ms): launch = the engine thread queueing the round's device work, wait = blocked on "
+          "the device, read = reading its results; host = the server's engine thread between rounds; device = the "
+          "GPU's time per round and gap = the GPU idle between rounds, waiting for the host (CUDA timing events); "
+          "loop = the event loop's us per generated id (ids -> text events)")
+    print(f"{'clients':>7} {'side':>6} {'rounds':>6} {'prefill':>7} {'rows/pf':>7} {'steps':>5} {'launch':>7} "
+          f"{'wait':>7} {'read':>6} {'host':>6} {'device':>7} {'gap':>6} {'loop':>6}")
+
+    def ms(value, width, digits=2):
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+    for row in rows:
+        for side in ("engine", "server"):
+            r = row[f"{side}_per_round"]
+            print(f"{row['clients']:>7} {side:>6} {r['rounds']:>6} {r['prefill_rounds']:>7} "
+                  f"{r['admitted_per_prefill']:>7.1f} {r['steps_per_round']:>5.1f} {ms(r['launch_ms'], 7)} "
+                  f"{ms(r['wait_ms'], 7)} {ms(r['read_ms'], 6)} {ms(r['host_ms'], 6)} "
+                  f"{ms(r['device_ms'] if device_timing else None, 7)} "
+                  f"{ms(r['device_gap_ms'] if device_timing else None, 6)} {ms(r['loop_us_per_id'], 6, 1)}")
 
 
 def wait_healthy(port, deadline):

@@ -22,10 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
-    from megatron.inference.loading import add_model_flags
+    from megatron.inference.loading import add_decode_flags, add_model_flags
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_flags(parser)
+    add_decode_flags(parser)
     parser.add_argument("--prompt", action="append", default=[], help="repeatable")
     parser.add_argument("--prompts-file", default=None, help="one prompt per line (blank lines skipped)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -55,7 +56,7 @@ def main(argv=None):
     from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine, SamplingParams
     from megatron.inference.checks import check_prompt_length
-    from megatron.inference.loading import load_model, setup_tensor_parallel, tp_token_sync
+    from megatron.inference.loading import decode_options, load_model, setup_tensor_parallel, tp_token_sync
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -76,11 +77,12 @@ def main(argv=None):
         for i, ids in enumerate(prompt_ids):  # the same check and words as the server's HTTP 400
             check_prompt_length(len(ids), params.max_new_tokens, model.config.seq_length,
                                 "prompt" if len(prompt_ids) == 1 else f"prompt {i}", "--max-new-tokens", "--prompt")
+        cuda_graphs = device == "cuda" and not args.no_cuda_graphs
         engine = InferenceEngine(model, max_batch_size=min(args.batch_size, len(prompt_ids)),
                                  max_seq_len=max(len(ids) for ids in prompt_ids) + params.max_new_tokens,
-                                 eod_id=tokenizer.eod, vocab_limit=tokenizer.vocab_size,
-                                 cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
-                                 sync_tokens=tp_token_sync(state) if tp > 1 else None)
+                                 eod_id=tokenizer.eod, vocab_limit=tokenizer.vocab_size, cuda_graphs=cuda_graphs,
+                                 sync_tokens=tp_token_sync(state) if tp > 1 else None,
+                                 **decode_options(args, device, tp, cuda_graphs))
     except (ValueError, RuntimeError) as err:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank fails the same check: one line
             print(f"error: {err}", file=sys.stderr)

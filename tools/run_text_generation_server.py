@@ -35,10 +35,11 @@ API_KEY_ENV = "MEGATRON_SERVER_API_KEY"
 
 
 def parse_args(argv=None):
-    from megatron.inference.loading import add_model_flags
+    from megatron.inference.loading import add_decode_flags, add_model_flags
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_flags(parser)
+    add_decode_flags(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: %(default)s; 0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000,
@@ -100,7 +101,7 @@ def build(args):
 
     from megatron.checkpoint import convert
     from megatron.inference import InferenceEngine
-    from megatron.inference.loading import load_model, setup_tensor_parallel, tp_token_sync
+    from megatron.inference.loading import decode_options, load_model, setup_tensor_parallel, tp_token_sync
     from megatron.inference.server import ServerSettings
 
     state = setup_tensor_parallel(args.tensor_model_parallel_size)
@@ -112,10 +113,11 @@ def build(args):
         raise ValueError(f"--max-new-tokens-limit {limit} leaves no room for a prompt in the context of {context} "
                          "tokens; lower it or raise --max-seq-len")
     tp = state.tensor_model_parallel_size
+    cuda_graphs = device == "cuda" and not args.no_cuda_graphs
     engine = InferenceEngine(model, max_batch_size=args.max_batch_size, max_seq_len=context,
                              eod_id=None if args.ignore_eos else tokenizer.eod, vocab_limit=tokenizer.vocab_size,
-                             cuda_graphs=device == "cuda" and not args.no_cuda_graphs,
-                             sync_tokens=tp_token_sync(state) if tp > 1 else None)
+                             cuda_graphs=cuda_graphs, sync_tokens=tp_token_sync(state) if tp > 1 else None,
+                             **decode_options(args, device, tp, cuda_graphs))
     start = time.perf_counter()
     engine.warmup(every_bucket=True)  # every (batch, kv length) bucket up to --max-batch-size and the context
     log = logging.getLogger(__name__)

@@ -362,10 +362,13 @@ class IncrementalText:
 
     update(new_ids, final) gets the ids generated since the last call and returns the new text: only the part that
     later ids cannot change (no trailing U+FFFD of an unfinished UTF-8 character, nor a tail that could begin a stop
-    string), so the deltas concatenate exactly to `text` once final. Each id is decoded in a short window (vLLM's
-    prefix/read offsets): decode(ids[prefix:]) minus decode(ids[prefix:read]) is the id's new text once it no longer
-    ends in U+FFFD, and the offsets then move on; both offsets sit on character boundaries, so the pieces join to
-    decode(all ids). Stop strings are searched in the new text plus the last (longest stop - 1) characters.
+    string), so the deltas concatenate exactly to `text` once final. The new ids are decoded in a short window
+    (vLLM's prefix/read offsets): decode(ids[prefix:]) minus decode(ids[prefix:read]) is their new text once it no
+    longer ends in U+FFFD, and the offsets then move on; both offsets sit on character boundaries, so the pieces
+    join to decode(all ids). Without stop strings that is one window per update (two detokenize calls per engine
+    sync, whatever the ids per sync: this runs on the event loop); with stop strings, one window per id, so that a
+    stop string is cut at the id that completes it. Stop strings are searched in the new text plus the last
+    (longest stop - 1) characters.
 
     `tokens` counts the ids generated (an eod included). When a stop string appears the text is cut before it (or
     after it with include_stop), `stopped` is set and `tokens` counts the ids up to the one that completed it.
@@ -440,6 +443,7 @@ class IncrementalText:
     def update(self, new_ids, final=False):
         if self.text is not None:
             return ""
+        each = bool(self.stop)  # a stop string is cut at the id that completes it: decode id by id
         for token in new_ids:
             self.tokens += 1
             if self.eod_id is not None and token == self.eod_id:
@@ -447,16 +451,19 @@ class IncrementalText:
                 break
             self._ids.append(token)
             stop_id = token in self.stop_ids
-            piece = self._next_piece(flush=stop_id)
-            if piece and self._append(piece):
-                return self._hand_out()
+            if each or stop_id:
+                piece = self._next_piece(flush=stop_id)
+                if piece and self._append(piece):
+                    return self._hand_out()
             if stop_id:
                 self.stopped = final = True
                 break
+        if (final or not each) and self._read < len(self._ids):  # the update's ids in one window
+            piece = self._next_piece(flush=final)
+            if piece and self._append(piece):
+                return self._hand_out()
         if final:
-            piece = self._next_piece(flush=True) if self._read < len(self._ids) else ""
-            if not (piece and self._append(piece)):
-                self._finish()
+            self._finish()
         return self._hand_out()
 
     def _hand_out(self):

@@ -6,6 +6,13 @@
         for done in engine.step():          # requests that finished during this step
             print(done.output, done.finish_reason)
 
+step(n, overlap=True) keeps one round in flight (vLLM's async scheduling): it launches round k+1 (admissions,
+prefill, n decode steps, the read-back copy) before it reads round k's results, so the device runs round k+1 while
+the host turns round k's ids into text. A row that finished in round k runs round k+1 as a done row (its output
+and cache untouched), which is all overlapping costs. `stats` counts rounds, prefills and the time the host spent
+launching and waiting (and on CUDA, from timing events, the device's time per round and its idle gaps between
+rounds).
+
 A request takes a free slot of the cache when it is admitted (prefill, the LM head on its last position only,
 chunked for long prompts), then decodes one token per step together with every other running request; it leaves
 when it produces eod or reaches its max_new_tokens, and a waiting request takes its slot at the next step
@@ -34,6 +41,7 @@ where it is faster than torch's matmul at that batch bucket, timed at capture).
 import heapq
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,10 +65,23 @@ class Request:
     slot: int = None
     _host_pos: int = 0  # upper bounds known without a sync: the slot's next write position,
     _host_count: int = 0  # and the tokens generated
+    _launched: int = 0  # ids that launched read-backs cover (len(output) once they are read)
 
     @property
     def finished(self):
         return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Round:
+    """A launched round: its read-back of (count, done, new ids) per slot and each running row's first new id.
+    ready: a CUDA event after the copy (None on the CPU, where host is already filled)."""
+    rows: list  # (request, slot, ids already covered) of every row running at launch
+    host: torch.Tensor  # (max slot + 1, 2 + width)
+    ready: object = None
+    start: object = None  # CUDA timing events: before the round's first work,
+    end: object = None  # after its copy,
+    previous_end: object = None  # and after the round before, when the engine had work in between
 
 
 def _buckets(limit):
@@ -141,6 +162,10 @@ class InferenceEngine:
         self.active = torch.full((max_batch_size,), self.scratch, dtype=torch.long, device=self.device)
         self.last_decode_batch = None  # the batch bucket of the latest decode step
         self.copied_tokens = 0  # generated ids copied to the host (one per new id and row slot at each sync)
+        self._in_flight = None  # the Round that step(overlap=True) left running
+        self._last_end = None  # the latest round's end event while the engine has work (CUDA)
+        self.stats = {"rounds": 0, "prefill_rounds": 0, "admitted": 0, "decode_steps": 0, "launch_s": 0.0,
+                      "wait_s": 0.0, "read_s": 0.0, "device_s": 0.0, "device_gap_s": 0.0}
 
     def _init_slot_state(self):
         b, dev = self.max_batch + 1, self.device  # + the scratch slot (always done)
@@ -172,7 +197,7 @@ class InferenceEngine:
         return request
 
     def has_work(self):
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     def cancel(self, request):
         """Stops a request (waiting or running); its slot is free for the next step."""
@@ -189,23 +214,62 @@ class InferenceEngine:
         Prompt i samples with seed + i."""
         requests = [self.add_request(p, params, seed + i) for i, p in enumerate(prompts)]
         while self.has_work():
-            self.step(steps_per_sync)
+            self.step(steps_per_sync, overlap=True)
         return [r.output for r in requests]
+
+    def abort(self):
+        """Cancels every request and forgets the round in flight (after a failed step)."""
+        for request in list(self.waiting) + list(self.running.values()):
+            self.cancel(request)
+        self._in_flight = self._last_end = None
 
     # ---- stepping ----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, num_steps=1):
-        """Admits waiting requests into free slots (prefill), runs up to num_steps decode steps for all running
-        rows without a host sync, then reads the results back once. Returns the requests that finished."""
-        self._admit()
+    def step(self, num_steps=1, overlap=False):
+        """Admits every waiting request that has a free slot (one batched prefill), runs up to num_steps decode
+        steps for all running rows without a host sync, then reads the results back once. Returns the requests
+        that finished. overlap: leave this round in flight and return those that finished in the round before
+        (the engine's has_work() stays true while a round is in flight)."""
+        launched = self._launch(num_steps)
+        previous, self._in_flight = self._in_flight, launched if overlap else None
+        finished = self._finish(previous) if previous is not None else []
+        if launched is not None and not overlap:
+            finished += self._finish(launched)
+        if not self.has_work():
+            self._last_end = None  # idle from here: the next round's wait is not the host's doing
+        return finished
+
+    def _launch(self, num_steps):
+        """Queues a round's device work and its read-back (None when there is nothing to run)."""
+        begin = time.perf_counter()
+        timing = self.device.type == "cuda"
+        start = None
+        if timing and (self.running or self.waiting and self._free):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        admitted = self._admit()
+        steps = 0
         if self.running:
             steps = min(num_steps, max(r.params.max_new_tokens - r._host_count for r in self.running.values()))
             for _ in range(steps):
                 self._decode_step()
-        return self._collect()
-
+        if not admitted and steps <= 0:
+            return None
+        round = self._read_back()
+        if timing:
+            round.start, round.previous_end = start, self._last_end
+            round.end = self._last_end = torch.cuda.Event(enable_timing=True)
+            round.end.record()
+        stats = self.stats
+        stats["rounds"] += 1
+        stats["prefill_rounds"] += bool(admitted)
+        stats["admitted"] += admitted
+        stats["decode_steps"] += max(steps, 0)
+        stats["launch_s"] += time.perf_counter() - begin
+        return round
     def _admit(self):
+        """Takes waiting requests into free slots and prefills them; returns how many."""
         admitted = []
         while self.waiting and self._free:
             request = self.waiting.popleft()
@@ -216,7 +280,7 @@ class InferenceEngine:
             self._order_dirty = True
             admitted.append(request)
         if not admitted:
-            return
+            return 0
         self._load_params(admitted)
         short = [r for r in admitted if len(r.prompt) <= self.prefill_chunk]
         for r in admitted:
@@ -230,6 +294,7 @@ class InferenceEngine:
             group.append(r)
         if group:
             self._prefill(group)
+        return len(admitted)
 
     def _load_params(self, requests):
         """Writes the admitted rows' state with one host-to-device copy: slots and parameters packed into one
@@ -431,35 +496,63 @@ class InferenceEngine:
                     + ("" if kv_len is None else f", kv length {kv_len}"))
         return graph, logits
 
-    def _collect(self):
-        """The one host synchronisation: copies each running row's count, done flag and only the tokens it produced
-        since the last sync (one (rows, 2 + new) device-to-host copy; `copied_tokens` counts the ids copied);
-        extends each request's output; finishes and frees done rows."""
-        if not self.running:
-            return []
+    def _read_back(self):
+        """Queues the round's one device-to-host copy: each running row's count, done flag and only the ids it
+        produced since the last read-back (one (rows, 2 + new) copy into pinned memory on CUDA, not waited for;
+        `copied_tokens` counts the ids copied)."""
         top = max(self.running) + 1
-        synced = [0] * top  # ids of each slot already on the host
+        synced = [0] * top  # ids of each slot already covered
+        rows = []
         for slot, request in self.running.items():
-            synced[slot] = len(request.output)
-        width = max(r._host_count - len(r.output) for r in self.running.values())  # >= the new ids of any row
+            synced[slot] = request._launched
+            rows.append((request, slot, request._launched))
+        width = max(r._host_count - r._launched for r in self.running.values())  # >= the new ids of any row
         parts = [self.count[:top, None], self.done[:top, None].long()]
         if width > 0:
             base = torch.tensor(synced, dtype=torch.long)
             base = base.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else base
             columns = (base[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_new_cap)
             parts.append(self.out[:top].gather(1, columns))  # (top, width)
-        host = torch.cat(parts, dim=1).cpu()
-        self.copied_tokens += top * width
+        device = torch.cat(parts, dim=1)
+        for request in self.running.values():
+            request._launched = request._host_count
+        self.copied_tokens += top * max(width, 0)
+        if self.device.type != "cuda":
+            return Round(rows, device)
+        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+        host.copy_(device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Round(rows, host, ready)
+
+    def _finish(self, round):
+        """The one host synchronisation of a round: waits for its copy, extends each of its rows' output, finishes
+        and frees the done rows. Rows cancelled or finished since its launch are skipped."""
+        begin = time.perf_counter()
+        if round.ready is not None:
+            round.ready.synchronize()
+        read = time.perf_counter()
+        values = round.host.tolist()
         finished = []
-        for slot, request in list(self.running.items()):
-            count, done = int(host[slot, 0]), bool(host[slot, 1])
-            if count > synced[slot]:
-                request.output.extend(host[slot, 2:2 + count - synced[slot]].tolist())
+        for request, slot, synced in round.rows:
+            if request.finished:
+                continue
+            count, done = values[slot][0], values[slot][1]
+            assert len(request.output) == synced, (len(request.output), synced)
+            if count > synced:
+                request.output.extend(values[slot][2:2 + count - synced])
             if done:
                 request.finish_reason = "stop" if request.output and request.output[-1] == self.eod_id \
                     else "length"
                 self._release(request)
                 finished.append(request)
+        stats = self.stats
+        if round.end is not None:
+            stats["device_s"] += round.start.elapsed_time(round.end) / 1e3
+            if round.previous_end is not None:
+                stats["device_gap_s"] += round.previous_end.elapsed_time(round.start) / 1e3
+        stats["wait_s"] += read - begin
+        stats["read_s"] += time.perf_counter() - read
         return finished
 
     def _release(self, request):

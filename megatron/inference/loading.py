@@ -1,5 +1,6 @@
 """What generation and serving load: a checkpoint of any layout or an HF folder, and its tokenizer; the command-line
-flags tools/generate_text.py and tools/run_text_generation_server.py share to choose it.
+flags tools/generate_text.py and tools/run_text_generation_server.py share to choose it and how its decode step runs
+(--compile-mode, --graph-step, --gemm: InferenceEngine's compile_mode=, graph_step=, gemm=).
 
 load_model builds this process's part of the model: under torchrun (WORLD_SIZE > 1) the model runs tensor-parallel
 over every process (TP = --tensor-model-parallel-size, which must equal the number of processes; PP 1), each rank
@@ -29,6 +30,46 @@ def add_model_flags(parser):
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="TP size to run at: the number of processes torchrun starts (default: that number; "
                              "the checkpoint's own TP need not match, its tensors are sliced on load)")
+
+
+def add_decode_flags(parser):
+    """The flags choosing how the engine's decode step runs (megatron/inference/engine.py): --compile-mode,
+    --graph-step, --gemm."""
+    from megatron.inference.decode import COMPILE_MODES, GEMMS
+    parser.add_argument("--compile-mode", choices=["none", *COMPILE_MODES], default="none",
+                        help="torch.compile the fused decode step's segments with this mode (default: none, eager; "
+                             "TP 1 only)")
+    parser.add_argument("--graph-step", action="store_true",
+                        help="capture the whole decode step (state update and sampling too) in its CUDA graph: one "
+                             "replay per step (GPU, TP 1)")
+    parser.add_argument("--gemm", choices=list(GEMMS), default="torch",
+                        help="the fused decode step's GEMMs: torch, triton (the skinny split-K kernel) or auto (the "
+                             "faster per weight shape and batch bucket, timed at capture; torch without CUDA) "
+                             "(default: %(default)s; TP 1 only)")
+
+
+def decode_options(args, device, tp, cuda_graphs):
+    """InferenceEngine's compile_mode=, graph_step= and gemm= for the add_decode_flags flags; ValueError naming the
+    flag and the fix for a combination that cannot run (device: "cuda" or "cpu")."""
+    import torch
+
+    from megatron.inference.skinny_gemm import triton_gemm_available
+    if tp > 1:
+        for flag, value, default in (("--compile-mode", args.compile_mode, "none"), ("--gemm", args.gemm, "torch")):
+            if value != default:
+                raise ValueError(f"{flag} {value} tunes the fused decode step, which runs at tensor-parallel size 1 "
+                                 f"(this run: TP {tp}); drop {flag}")
+        if args.graph_step:
+            raise ValueError(f"--graph-step cannot capture the per-step token broadcast of tensor parallelism (this "
+                             f"run: TP {tp}); drop --graph-step")
+    if args.graph_step and not cuda_graphs:
+        raise ValueError("--graph-step captures the whole decode step in a CUDA graph: it needs a GPU and CUDA graphs "
+                         "(this run has none); drop --graph-step" + (" or --no-cuda-graphs" if device == "cuda"
+                                                                     else ""))
+    if args.gemm == "triton" and not triton_gemm_available(torch.device(device)):
+        raise ValueError("--gemm triton needs CUDA and the triton package; use --gemm torch or --gemm auto")
+    return {"compile_mode": None if args.compile_mode == "none" else args.compile_mode,
+            "graph_step": args.graph_step, "gemm": args.gemm}
 
 
 def device_and_dtype(merged, dtype_flag):

@@ -209,7 +209,7 @@ def build_app(engine, tokenizer, settings, channel=None):
 
     @app.get("/health")
     async def health():
-        stats = dict(worker.stats, pending=pending[0])
+        stats = dict(worker.stats, pending=pending[0], rounds=dict(engine.stats))
         status = "ok" if worker.alive and worker.healthy else "unhealthy" if worker.alive else "stopped"
         body = {"status": status, "model": settings.model_name, **stats}
         if status != "ok" and worker.last_error:

@@ -1,10 +1,19 @@
 """The server's engine thread and the rows of one HTTP request (no HTTP here; server.py builds the routes on it).
 
 The engine is not thread-safe, so one EngineWorker thread owns it. The asyncio loop hands new rows, cancellations
-and scoring calls to the worker through a queue; the worker applies them between steps (continuous batching), runs
-step(steps_per_sync), and hands each row's new ids (only those: the host work per token does not grow with the
-row's length) back to the loop with call_soon_threadsafe. A Job (on the loop) turns those ids into text deltas,
-applies stop strings and queues events for its HTTP handler.
+and scoring calls to the worker through a queue; the worker applies everything queued at the start of a round
+(continuous batching: every row that has a free slot is admitted and prefilled together, in the same round as the
+decode steps, with no round of its own), runs step(steps_per_sync, overlap=True), and hands each row's new ids
+(only those: the host work per token does not grow with the row's length) back to the loop with
+call_soon_threadsafe, one call per round. With overlap the engine launches round k+1 before it reads round k, so
+the device is never idle while this thread publishes round k and the loop turns its ids into text (both hold the
+GIL). A Job (on the loop) turns those ids into text deltas, applies stop strings and queues events for its HTTP
+handler.
+
+Instrumentation (GET /health): `stats` has the engine's per-round counters under "rounds" (rounds, prefill rounds,
+rows admitted, decode steps, the engine thread's seconds launching, waiting for the device and reading results,
+and on CUDA the device's seconds per round and idle between rounds), plus this thread's seconds between engine
+steps (host_s) and the loop's seconds turning ids into events (deliver_s, delivered_ids).
 
 Tensor parallelism: every TP rank holds a slice of the model and must run the same engine steps. Rank 0's worker
 turns each round of commands into a plan (new rows as (key, prompt ids, sampling parameters, seed), cancelled
@@ -25,6 +34,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 from megatron.inference.api import APIError
 
@@ -111,7 +121,7 @@ class EngineWorker:
         self._fault_path = os.environ.get(FAULT_HOOK)
         self._desynced = False  # TP: a step failed on this rank but maybe not on the others
         self.stats = {"running": 0, "waiting": 0, "peak_running": 0, "steps": 0, "finished": 0, "cancelled": 0,
-                      "errors": 0}
+                      "errors": 0, "host_s": 0.0, "deliver_s": 0.0, "delivered_ids": 0, "rounds": engine.stats}
 
     def start(self, loop):
         self._loop = loop
@@ -165,14 +175,12 @@ class EngineWorker:
                     except queue.Empty:
                         self._probe()
                         continue
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
+                begin, self._step_s = time.perf_counter(), 0.0
+                commands += self._queued_commands()
                 if not self._round(commands, active):
                     return
                 self.stats.update(running=len(engine.running), waiting=len(engine.waiting))
+                self.stats["host_s"] += time.perf_counter() - begin - self._step_s
         except Exception as err:  # a bug: fail what is in flight and queued rather than leave its clients waiting
             logger.exception("server: the engine thread failed; the server answers 503 from now on")
             self.last_error = f"{type(err).__name__}: {err}"
@@ -217,10 +225,8 @@ class EngineWorker:
                 if keys:
                     plan.append(("cancel", keys))
         num_steps, fault = None, False
-        if engine.has_work():
-            # a row that can be admitted now gets its first token at once (prefill only); otherwise run the batch
-            admit = bool(engine.waiting) and len(engine.running) < engine.max_batch
-            num_steps = 0 if admit else self.steps_per_sync
+        if engine.has_work():  # admits (prefills) what has a free slot, then decodes: one round, one sync
+            num_steps = self.steps_per_sync
             fault = self._fault_path is not None and os.path.exists(self._fault_path)
             plan.append(("step", (num_steps, fault)))
         if self.channel is not None and plan:
@@ -256,6 +262,7 @@ class EngineWorker:
     def _step(self, active, num_steps, fault):
         engine = self.engine
         batch = min(engine.max_batch, len(engine.running) + len(engine.waiting))  # rows this step runs
+        begin = time.perf_counter()
         try:
             run_step(engine, num_steps, fault)
         except Exception as err:  # a failed step (out of memory, a device fault) fails its rows and the queue
@@ -263,8 +270,7 @@ class EngineWorker:
             self.stats["errors"] += 1
             self.healthy = False
             self.last_error = f"{type(err).__name__}: {err}"
-            for request in active.values():
-                engine.cancel(request)
+            engine.abort()
             failed = list(active)
             active.clear()
             failed += self._drain_adds()
@@ -275,6 +281,8 @@ class EngineWorker:
                 raise RuntimeError("a tensor-parallel engine step failed; the ranks are out of step: restart the "
                                    "server") from err
             return
+        finally:
+            self._step_s = time.perf_counter() - begin
         self.healthy = True
         self.stats["steps"] += 1
         self.stats["peak_running"] = max(self.stats["peak_running"], batch)
@@ -341,16 +349,25 @@ class EngineWorker:
     def _post(self, updates):
         if updates:
             try:
-                self._loop.call_soon_threadsafe(_deliver, updates)
+                self._loop.call_soon_threadsafe(self._deliver, updates)
             except RuntimeError:  # the loop has closed: nobody is waiting for these rows
                 pass
 
+    def _deliver(self, updates):
+        """On the loop: one round's updates to their jobs (timed: the loop's work per token)."""
+        begin = time.perf_counter()
+        for row, new_ids, reason in updates:
+            row.job.on_update(row, new_ids, reason)
+            self.stats["delivered_ids"] += len(new_ids)
+        self.stats["deliver_s"] += time.perf_counter() - begin
+
 
 def run_step(engine, num_steps, fault=False):
-    """One engine step, or the injected test fault (the same on every TP rank: the plan carries it)."""
+    """One engine round with the one before it read (overlap), or the injected test fault (the same on every TP
+    rank: the plan carries it). Returns the requests that finished in the round before."""
     if fault:
         raise InjectedFault(f"injected engine fault ({FAULT_HOOK})")
-    return engine.step(num_steps)
+    return engine.step(num_steps, overlap=True)
 
 
 def probe_device(device):
@@ -400,8 +417,7 @@ def follow(engine, scorer, channel):
                     if not fault:  # this rank alone: out of step with the others for good (torchrun stops them)
                         raise
                     logger.warning("server: injected engine fault (%s); failing every request", FAULT_HOOK)
-                    for request in requests.values():
-                        engine.cancel(request)
+                    engine.abort()
                     requests.clear()
 
 
@@ -412,11 +428,6 @@ def _resolve(future, result, error):
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _deliver(updates):
-    for row, new_ids, reason in updates:
-        row.job.on_update(row, new_ids, reason)
 
 
 # ---- one HTTP request's rows -------------------------------------------------------------------------------------

@@ -99,3 +99,51 @@ def test_tokenizer_against_the_runs_padding():
                               "config.json), more than padding adds; pass the tokenizer the model was trained with")
     bloom = types.SimpleNamespace(vocab_size=250680, vocab={})
     check_tokenizer_fits_model(bloom, "bloom", 250880)  # BLOOM's own padding (TP 4) passes
+
+
+def test_decode_flags_reach_the_engine_and_bad_combinations_stop_with_one_line(hf_folders, capsys):
+    """--compile-mode, --graph-step and --gemm of both tools: InferenceEngine's compile_mode=, graph_step=, gemm=;
+    what cannot run here (a CUDA graph or the Triton GEMM on the CPU, fused-step options under TP) is one line."""
+    import argparse
+
+    from megatron.inference.loading import add_decode_flags, decode_options
+
+    spec = importlib.util.spec_from_file_location("server_tool", ROOT / "tools" / "run_text_generation_server.py")
+    server_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server_tool)
+    args = server_tool.parse_args(["--load", hf_folders[0], "--compile-mode", "default", "--gemm", "auto"])
+    engine = server_tool.build(args)[0]
+    assert (engine.decoder.compile_mode, engine.decoder.gemm, engine.graph_step) == ("default", "torch", False)
+
+    prompt = ["--load", hf_folders[0], "--prompt", "The cat", "--max-new-tokens", "4", "--greedy"]
+    assert _generate(prompt + ["--graph-step"], capsys) == (2, [
+        "error: --graph-step captures the whole decode step in a CUDA graph: it needs a GPU and CUDA graphs (this "
+        "run has none); drop --graph-step"])
+    assert _generate(prompt + ["--gemm", "triton"], capsys) == (2, [
+        "error: --gemm triton needs CUDA and the triton package; use --gemm torch or --gemm auto"])
+
+    parser = argparse.ArgumentParser()
+    add_decode_flags(parser)
+    assert decode_options(parser.parse_args([]), "cpu", 2, False) == {"compile_mode": None, "graph_step": False,
+                                                                      "gemm": "torch"}
+    for flags, message in ((["--compile-mode", "default"], "--compile-mode default tunes the fused decode step, "
+                            "which runs at tensor-parallel size 1 (this run: TP 2); drop --compile-mode"),
+                           (["--gemm", "auto"], "--gemm auto tunes the fused decode step, which runs at "
+                            "tensor-parallel size 1 (this run: TP 2); drop --gemm"),
+                           (["--graph-step"], "--graph-step cannot capture the per-step token broadcast of tensor "
+                            "parallelism (this run: TP 2); drop --graph-step")):
+        with pytest.raises(ValueError) as err:
+            decode_options(parser.parse_args(flags), "cuda", 2, True)
+        assert str(err.value) == message
+
+
+def test_generate_text_compiled_decode_step_gives_the_eager_tokens(hf_folders, tmp_path, capsys):
+    """--compile-mode default on the CPU (inductor's C++ backend): the same greedy tokens as the eager step."""
+    outputs = []
+    for extra in ([], ["--compile-mode", "default"]):
+        out = tmp_path / f"gen{len(extra)}.jsonl"
+        code, _ = _generate(["--load", hf_folders[0], "--prompt", "The cat sat", "--max-new-tokens", "6", "--greedy",
+                             "--output-file", str(out)] + extra, capsys)
+        assert code == 0
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1]

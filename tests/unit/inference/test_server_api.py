@@ -2,6 +2,7 @@
 characters, stop strings), and the engine thread's continuous batching (a row joins a running batch and its
 output equals its solo output)."""
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -221,6 +222,22 @@ def test_host_work_per_id_does_not_grow_with_the_length(tokenizer):
     assert abs(per_id[512] - per_id[64]) < 0.25
 
 
+def test_without_stop_strings_an_update_is_two_detokenize_calls_whatever_its_length(tokenizer):
+    """The loop's work per engine sync and row: one window for all the sync's ids, not one per id."""
+    words = tokenizer.tokenize(" the quick brown fox jumps over a lazy dog" * 30)[:256]
+    calls = []
+
+    def detokenize(ids):
+        calls.append(len(ids))
+        return tokenizer.detokenize(ids)
+
+    for per_update in (1, 8, 32):
+        calls.clear()
+        state = IncrementalText(detokenize, eod_id=2)
+        assert "".join(feed(state, words, per_update)) == tokenizer.detokenize(words)
+        assert len(calls) == 2 * len(words) // per_update
+
+
 def test_stop_strings_cut_the_text_and_never_leak(tokenizer):
     text = "Hello world, hello there, hello again"
     ids = tokenizer.tokenize(text)
@@ -313,6 +330,39 @@ def test_a_sync_copies_only_the_new_tokens():
         assert [len(r.output) for r in requests] == [n, n]
         assert engine.copied_tokens - before == 2 * n  # each id once (the whole rows at each sync: ~n * n / 8)
         assert [r.output for r in requests] == engine.generate([[5, 9, 3]] * 2, params[n], seed=1)
+
+
+def test_a_burst_of_requests_is_admitted_in_one_round_with_their_solo_outputs():
+    """Five requests queued while the engine thread is busy (a scoring call) are all admitted by the next round:
+    one prefill round for all five (no round of their own: that round decodes too), each with its solo output."""
+    engine = tiny_engine(max_batch_size=8)
+    params = SamplingParams(greedy=True, max_new_tokens=10)
+    prompts = [[5, 9, 3 + i, 7][:2 + i % 3] for i in range(5)]
+    solo = [engine.generate([p], params)[0] for p in prompts]
+    engine.stats.update(rounds=0, prefill_rounds=0, admitted=0, decode_steps=0)
+    release = threading.Event()
+
+    class BusyScorer:
+        def score(self, *args):
+            release.wait(30)
+            return "scored"
+
+    async def scenario():
+        worker = EngineWorker(engine, steps_per_sync=4, scorer=BusyScorer())
+        worker.start(asyncio.get_running_loop())
+        scored = worker.score([[1, 2]], [(0, [2])], None)
+        jobs = [rows_of(Job(worker, lambda job: None), worker, [p], params) for p in prompts]  # 5 submits
+        release.set()
+        assert await scored == "scored"
+        for job in jobs:
+            await job.wait()
+        worker.stop()
+        return [job.rows[0].output for job in jobs], dict(worker.stats["rounds"])
+
+    outputs, rounds = asyncio.run(scenario())
+    assert outputs == solo
+    # 10 tokens: the prefill's first token and 9 decode steps, in rounds of 4 steps: 3 rounds
+    assert (rounds["prefill_rounds"], rounds["admitted"], rounds["rounds"], rounds["decode_steps"]) == (1, 5, 3, 9)
 
 
 def rows_of(job, worker, prompts, params, seeds=None):
