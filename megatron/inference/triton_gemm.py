@@ -11,6 +11,9 @@ all 0 between launches); either way the splits are summed in order 0..SPLIT_K-1,
 on which program finishes last.
 IEEE: fp32 products (fp32 inputs; bf16/fp16 ones under Triton's interpreter, whose dot does not take 16-bit
 floats: their products are exact in fp32 either way, so only the order of the fp32 sums differs from the GPU's).
+GEMV (at most 8 rows): the products on the CUDA cores, x (BLOCK_M, BLOCK_K) times W (BLOCK_N, BLOCK_K) broadcast
+and summed over K in fp32, so BLOCK_M is the rows' power of two (1..8) instead of a dot's 16, and a program's
+registers go to a wide W tile (BLOCK_N x BLOCK_K of 8-16 KB: 16-byte loads, several tiles in flight per SM).
 """
 import triton
 import triton.language as tl
@@ -33,7 +36,8 @@ def _epilogue(acc, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS: tl.con
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn,
                        stride_rm, stride_ym, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
                        IEEE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_REDUCES: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                       GEMV: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -54,7 +58,9 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, M,
                         other=0.0)
             w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
-        if IEEE:  # fp32 inputs (or upcast ones): full fp32 products, as torch's matmul without TF32
+        if GEMV:  # (BLOCK_M, 1, BLOCK_K) * (1, BLOCK_N, BLOCK_K) summed over K: exact fp32 products
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif IEEE:  # fp32 inputs (or upcast ones): full fp32 products, as torch's matmul without TF32
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
