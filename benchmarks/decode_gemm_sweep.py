@@ -1,6 +1,7 @@
 """Benchmark: torch and every skinny-GEMM candidate plan at the 1.72B model's decode GEMM shapes, in CUDA graphs.
 
     python benchmarks/decode_gemm_sweep.py [--rows 1 8 32 64] [--layers 24] [--repeats 20] [--output FILE.json]
+        [--parts gemm attention] [--attention-batches 1 64] [--contexts 32 160 288] [--max-seq-len 288]
 
 For each decode GEMM of the fused step (N x K and its epilogue: qkv 6144x2048 + bias, dense 2048x2048 + bias +
 residual, h->4h 8192x2048 + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM head 250880x2048) and each row
@@ -9,6 +10,12 @@ candidates(): a CUDA graph of the GEMM over --layers distinct weights of that sh
 L2 cache holds none of them from one call to the next; the LM head: its one weight) replayed --repeats times back
 to back. Prints us per call and the TB/s of the bytes each call moves (W, bias, x, residual, y), marks the fastest,
 and writes the table as JSON (--output). A plan that fails to compile or disagrees with torch is left out (logged).
+
+attention: the fused step's decode attention (megatron/inference/decode.py, Triton) over --layers layers of a
+cache of --max-seq-len positions (the benchmark's prompt 32 + 256 new tokens), every row at the same context, for
+each launch configuration (keys per loop iteration, target programs of the split plan, warps): us per layer and
+the TB/s of the keys and values read. At batch 64 the keys and values of the generation's mean context (160) are
+2 GB a step, half the weights' bytes: this part says how far that read is from the bandwidth.
 """
 import argparse
 import json
@@ -32,6 +39,10 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=24, help="distinct weights per shape (the LM head: one)")
     parser.add_argument("--repeats", type=int, default=20, help="graph replays per measurement")
     parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES])
+    parser.add_argument("--parts", nargs="+", choices=["gemm", "attention"], default=["gemm", "attention"])
+    parser.add_argument("--attention-batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 160, 288], help="keys each row attends to")
+    parser.add_argument("--max-seq-len", type=int, default=288, help="the cache's positions (the split plan's)")
     parser.add_argument("--output", default=None, help="also write the table as JSON")
     return parser.parse_args(argv)
 
@@ -41,21 +52,9 @@ def call_bytes(rows, n, k, element, bias, residual):
     return element * (n * k + (n if bias else 0) + rows * k + rows * n * (2 if residual else 1))
 
 
-def main(argv=None):
-    from megatron.inference.skinny_gemm import MAX_ROWS, choose_plan, graph_time
+def gemm_part(args, report, save):
+    from megatron.inference.skinny_gemm import choose_plan, graph_time
 
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("decode_gemm_sweep.py times CUDA graphs: run it on a GPU machine")
-    bad = [r for r in args.rows if not 1 <= r <= MAX_ROWS]
-    if bad:
-        sys.exit(f"--rows {bad}: the skinny GEMM is for 1..{MAX_ROWS} rows")
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # failed plans are logged as warnings
-    import triton
-    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "triton": triton.__version__, "args": vars(args), "results": []}
-    print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}; {args.layers} weights per "
-          f"shape, {args.repeats} graph replays per measurement", flush=True)
     print(f"{'GEMM':>8} {'N x K':>12} {'rows':>4} {'us':>8} {'TB/s':>6}  plan", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     dtype = torch.bfloat16
@@ -75,29 +74,96 @@ def main(argv=None):
             for name, s in sorted(seconds.items(), key=lambda item: item[1]):
                 print(f"{label:>8} {f'{n}x{k}':>12} {rows:>4} {s * 1e6:>8.1f} {moved / s / 1e12:>6.2f}  {name}"
                       + ("  <- fastest" if name == best else ""), flush=True)
-            report["results"].append({"gemm": label, "n": n, "k": k, "rows": rows, "bytes": moved, "chosen": best,
-                                      "chosen_plan": None if plan is None else list(plan),
-                                      "us": {name: s * 1e6 for name, s in seconds.items()},
-                                      "tbps": {name: moved / s / 1e12 for name, s in seconds.items()},
-                                      "sweep_s": time.perf_counter() - start})
-            if args.output:
-                with open(args.output, "w") as f:
-                    json.dump(report, f, indent=2)
+            report["gemm"].append({"gemm": label, "n": n, "k": k, "rows": rows, "bytes": moved, "chosen": best,
+                                   "chosen_plan": None if plan is None else list(plan),
+                                   "us": {name: s * 1e6 for name, s in seconds.items()},
+                                   "tbps": {name: moved / s / 1e12 for name, s in seconds.items()},
+                                   "sweep_s": time.perf_counter() - start})
+            save()
         del weights, biases
         torch.cuda.empty_cache()
-    chosen = {}
-    for r in report["results"]:
-        chosen.setdefault(r["rows"], 0.0)
-        chosen[r["rows"]] += r["us"][r["chosen"]] * (1 if r["gemm"] == "LM head" else args.layers)
-    for rows, us in chosen.items():
-        torch_us = sum(r["us"]["torch"] * (1 if r["gemm"] == "LM head" else args.layers)
-                       for r in report["results"] if r["rows"] == rows)
-        print(f"rows {rows}: the step's GEMMs ({len(args.shapes)} shapes, {args.layers} layers) {us / 1e3:.3f} ms "
-              f"with the fastest plans, {torch_us / 1e3:.3f} ms with torch's", flush=True)
-        report.setdefault("step_gemm_ms", {})[str(rows)] = {"fastest": us / 1e3, "torch": torch_us / 1e3}
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+    for rows in args.rows:
+        results = [r for r in report["gemm"] if r["rows"] == rows]
+        per_step = {side: sum((r["us"][r["chosen"]] if side == "fastest" else r["us"]["torch"])
+                              * (1 if r["gemm"] == "LM head" else args.layers) for r in results) / 1e3
+                    for side in ("fastest", "torch")}
+        print(f"rows {rows}: the step's GEMMs ({len(results)} shapes, {args.layers} layers) {per_step['fastest']:.3f} "
+              f"ms with the fastest plans, {per_step['torch']:.3f} ms with torch's", flush=True)
+        report["step_gemm_ms"][str(rows)] = per_step
+
+
+ATTENTION_CONFIGS = [(block_n, target, warps) for block_n in (32, 64, 128) for target in (256, 1024, 4096)
+                     for warps in (4, 8)]
+
+
+def attention_part(args, report, save):
+    from megatron.inference.decode import decode_attention_triton, split_plan
+    from megatron.inference.skinny_gemm import graph_time
+
+    heads, head_dim, dtype = 16, 128, torch.bfloat16
+    slots_total = max(args.attention_batches) + 1
+    shape = (args.layers, slots_total, heads, args.max_seq_len, head_dim)
+    k, v = torch.randn(shape, device="cuda", dtype=dtype), torch.randn(shape, device="cuda", dtype=dtype)
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)], device="cuda")
+    print(f"{'batch':>5} {'context':>7} {'us/layer':>8} {'TB/s':>6}  keys per iteration, target programs "
+          f"(splits x keys), warps", flush=True)
+    for batch in args.attention_batches:
+        qkv = torch.randn(batch, heads * 3 * head_dim, device="cuda", dtype=dtype)
+        slots = torch.arange(batch, device="cuda")
+        for context in args.contexts:
+            pos = torch.full((batch,), context - 1, device="cuda", dtype=torch.long)
+            moved = 2 * batch * heads * context * head_dim * 2  # keys and values read
+            times = {}
+            for block_n, target, warps in ATTENTION_CONFIGS:
+                split, splits = split_plan(batch, heads, args.max_seq_len, block_n, target)
+                name = f"{block_n} keys, target {target} ({splits} x {split}), {warps} warps"
+
+                def fn():
+                    for i in range(args.layers):
+                        decode_attention_triton(qkv, k[i], v[i], slots, pos, slopes, head_dim ** -0.5, block_n,
+                                                target, warps)
+                times[name] = graph_time(fn, repeats=args.repeats) / args.layers
+            best = min(times, key=times.get)
+            for name, seconds in sorted(times.items(), key=lambda item: item[1])[:6]:
+                print(f"{batch:>5} {context:>7} {seconds * 1e6:>8.1f} {moved / seconds / 1e12:>6.2f}  {name}"
+                      + ("  <- fastest" if name == best else ""), flush=True)
+            default = next(name for name in times if name.startswith("64 keys, target 256 (") and "4 warps" in name)
+            print(f"{batch:>5} {context:>7} {times[default] * 1e6:>8.1f} {moved / times[default] / 1e12:>6.2f}  "
+                  f"{default} (the engine's)", flush=True)
+            report["attention"].append({"batch": batch, "context": context, "bytes": moved, "fastest": best,
+                                        "engine": default, "us": {n: t * 1e6 for n, t in times.items()}})
+            save()
+    del k, v
+    torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    from megatron.inference.skinny_gemm import MAX_ROWS
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("decode_gemm_sweep.py times CUDA graphs: run it on a GPU machine")
+    bad = [r for r in args.rows if not 1 <= r <= MAX_ROWS]
+    if bad:
+        sys.exit(f"--rows {bad}: the skinny GEMM is for 1..{MAX_ROWS} rows")
+    if max(args.contexts) > args.max_seq_len:
+        sys.exit(f"--contexts {max(args.contexts)} exceeds --max-seq-len {args.max_seq_len}: raise --max-seq-len")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # failed plans are logged as warnings
+    import triton
+    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "triton": triton.__version__, "args": vars(args), "gemm": [], "step_gemm_ms": {}, "attention": []}
+
+    def save():
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=2)
+    print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}; {args.layers} layers' "
+          f"weights per shape, {args.repeats} graph replays per measurement", flush=True)
+    if "gemm" in args.parts:
+        gemm_part(args, report, save)
+    if "attention" in args.parts:
+        attention_part(args, report, save)
+    save()
 
 
 if __name__ == "__main__":

@@ -65,8 +65,10 @@ def split_plan(batch, heads, max_len, block_n=64, target_programs=256):
     return split, -(-max_len // split)
 
 
-def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256):
-    """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row."""
+def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256,
+                            warps=4):
+    """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row
+    (block_n keys a loop iteration, splits of the keys per split_plan, `warps` warps a program)."""
     from megatron.inference.triton_decode import combine_kernel, decode_attention_kernel
     b = qkv.shape[0]
     nh, t, hd = k_cache.shape[1:]
@@ -80,7 +82,7 @@ def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, bl
     decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, scale,
                                              qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
                                              k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n, SPLIT=split,
-                                             NUM_SPLITS=splits)
+                                             NUM_SPLITS=splits, num_warps=warps)
     if splits > 1:
         combine_kernel[(b, nh)](part, stat, out, out.stride(0), HD=hd, NUM_SPLITS=splits,
                                 SPLITS_P2=triton_next_power_of_2(splits))
