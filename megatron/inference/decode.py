@@ -21,15 +21,17 @@ rows of a bucket point at a scratch slot nobody owns. All shapes are fixed per b
 bound is read from the device), so one CUDA graph per bucket serves every length, with or without compile.
 
 gemm="triton"/"auto": the segments' GEMMs may run megatron/inference/skinny_gemm.py's split-K kernel instead of
-torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue); a plan per GEMM
-and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul timed faster.
+torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue, and the
+LayerNorm before the QKV and h->4h GEMMs in its prologue, so neither LayerNorm is a launch of its own); a plan per
+GEMM and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul (after its LayerNorm) timed
+faster.
 """
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from megatron.inference.skinny_gemm import MAX_ROWS, linear as skinny_linear
+from megatron.inference.skinny_gemm import MAX_ROWS, layer_norm as _layer_norm, linear as skinny_linear
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +130,6 @@ def triton_available(device):
 
 # ---- the segments between attentions (pure torch: torch.compile fuses them) --------------------------------
 
-def _layer_norm(x, weight, bias, eps):
-    if weight.dtype != x.dtype:  # MixedFusedLayerNorm: fp32 parameters and statistics, output in x's dtype
-        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-
-
 NO_PLANS = (None,) * 5  # every GEMM by torch
 
 
@@ -155,7 +151,10 @@ def _linear(x, weight, bias, gemv, plan=None, gelu=False, residual=None):
 
 
 def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans):
-    """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H))."""
+    """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H)); on the Triton kernel the
+    LayerNorm is its prologue (unless the residual stream is the LayerNorm's output, post_ln)."""
+    if plans[0] is not None and not post_ln:
+        return x, skinny_linear(x, qkv_w, qkv_b, plans[0], ln=(ln_w, ln_b, eps))
     ln = _layer_norm(x, ln_w, ln_b, eps)
     return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv, plans[0])
 
@@ -164,6 +163,9 @@ def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_
                     gemv, plans):
     """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
     x = _linear(context, dense_w, dense_b, gemv, plans[1], residual=residual)
+    if plans[2] is not None and not post_ln:  # the LayerNorm in the h->4h kernel's prologue
+        h = skinny_linear(x, fc1_w, fc1_b, plans[2], gelu=True, ln=(ln_w, ln_b, eps))
+        return _linear(h, fc2_w, fc2_b, gemv, plans[3], residual=x)
     ln = _layer_norm(x, ln_w, ln_b, eps)
     residual = ln if post_ln else x
     return _linear(_linear(ln, fc1_w, fc1_b, gemv, plans[2], gelu=True), fc2_w, fc2_b, gemv, plans[3],
@@ -301,9 +303,13 @@ class FusedDecoder:
         else:
             from megatron.inference.skinny_gemm import choose_plan
             pre, post, chosen = self.pre, self.post, []
-            for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre], {}),
+            def norms(pairs):  # the LayerNorm the kernel runs in its prologue (not with post_ln)
+                return None if self.post_ln else [(w, b, self.eps) for w, b in pairs]
+            for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre],
+                                          {"norms": norms(p[:2] for p in pre)}),
                                          ("dense", [p[0] for p in post], [p[1] for p in post], {"residual": True}),
-                                         ("h->4h", [p[4] for p in post], [p[5] for p in post], {"gelu": True}),
+                                         ("h->4h", [p[4] for p in post], [p[5] for p in post],
+                                          {"gelu": True, "norms": norms(p[2:4] for p in post)}),
                                          ("4h->h", [p[6] for p in post], [p[7] for p in post], {"residual": True}),
                                          ("LM head", [self.emb], [None], {})):
                 plan, seconds = choose_plan(batch, ws, bs, label=label, **flags)

@@ -1,7 +1,10 @@
 """GEMMs of a decode step (M <= 64 rows): a Triton split-K kernel with the bias, GeLU and residual in its epilogue,
 chosen per weight shape and batch bucket against torch's matmul by timing both on the device.
 
-    y = [residual +] [gelu_tanh](x W^T [+ b])          x (M, K), W (N, K) as nn.Linear stores it, y (M, N)
+    y = [residual +] [gelu_tanh](LN(x) W^T [+ b])      x (M, K), W (N, K) as nn.Linear stores it, y (M, N)
+
+where LN (optional) is the LayerNorm that precedes the GEMM (the block's input and post-attention LayerNorms
+before the QKV and h->4h GEMMs), computed in the kernel's prologue instead of by a separate launch.
 
 A decode step's GEMMs read every weight once for a handful of rows: they are bound by memory bandwidth, and at
 the 1.72B model's shapes (N x K = 6144x2048, 2048x2048, 8192x2048, 2048x8192, the LM head 250880x2048) cuBLAS's
@@ -14,7 +17,7 @@ tensor-core dot whose rows are padded to 16 (triton_gemm.py). choose_plan
 times each candidate and torch inside a CUDA graph over the real layers' weights of that shape (so neither the
 host's launch cost nor the L2 cache flatters a side) and keeps the faster. The kernel is the custom op
 torch.ops.megatron.skinny_linear, so torch.compile'd segments call it as one opaque op (inductor still fuses the
-LayerNorms around it).
+LayerNorms the kernel does not run).
 """
 import logging
 import os
@@ -58,10 +61,11 @@ def _locks(device):
 
 
 def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_n=64, block_k=128, split_k=1,
-                         last_reduces=False, gemv=False, warps=4):
+                         last_reduces=False, gemv=False, warps=4, ln_weight=None, ln_bias=None, eps=1e-5):
     """The kernel: x (M, K) contiguous rows, weight (N, K), bias (N,), residual (M, N) -> (M, N) in x's dtype.
     last_reduces (split_k > 1): the last split of each tile sums the splits (one launch), else a second kernel.
-    gemv (M <= GEMV_ROWS): CUDA-core products instead of a dot; warps: the programs' num_warps."""
+    gemv (M <= GEMV_ROWS): CUDA-core products instead of a dot; warps: the programs' num_warps.
+    ln_weight, ln_bias (K,), eps: x goes through that LayerNorm first (in the kernel)."""
     from megatron.inference.triton_gemm import skinny_gemm_kernel, splitk_epilogue_kernel
     m, k = x.shape
     n = weight.shape[0]
@@ -70,6 +74,8 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     b = bias if bias is not None else y  # a pointer the kernel never reads
+    assert (ln_weight is None) == (ln_bias is None), "a LayerNorm needs its weight and bias"
+    g, beta = (ln_weight, ln_bias) if ln_weight is not None else (y, y)
     r = residual if residual is not None else y
     bm = block_m(m, gemv)
     # software-pipelined stages of the x and W tiles, within ~160 KB of shared memory (fp32 tiles are twice as big)
@@ -80,8 +86,9 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     last_reduces = bool(last_reduces) and split_k > 1
     locks = _locks(x.device) if last_reduces else y
     assert not last_reduces or grid[0] * grid[2] <= _MAX_TILES, grid
-    skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, m, n, k, x.stride(0), weight.stride(0), r.stride(0),
-                             y.stride(0), IEEE=x.dtype == torch.float32 or _INTERPRETED,
+    skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, g, beta, float(eps), m, n, k, x.stride(0),
+                             weight.stride(0), r.stride(0), y.stride(0), LN=ln_weight is not None,
+                             IEEE=x.dtype == torch.float32 or _INTERPRETED,
                              EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n,
                              BLOCK_K=block_k, SPLIT_K=split_k, LAST_REDUCES=last_reduces, GEMV=bool(gemv),
                              num_stages=stages, num_warps=warps, **flags)
@@ -99,20 +106,31 @@ def triton_cdiv(a, b):
 @torch.library.custom_op("megatron::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      residual: Optional[torch.Tensor], gelu: bool, block_n: int, block_k: int,
-                     split_k: int, last_reduces: bool, gemv: bool, warps: int) -> torch.Tensor:
+                     split_k: int, last_reduces: bool, gemv: bool, warps: int, ln_weight: Optional[torch.Tensor],
+                     ln_bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     return skinny_linear_triton(x.contiguous(), weight, bias, None if residual is None else residual.contiguous(),
-                                gelu, block_n, block_k, split_k, last_reduces, gemv, warps)
+                                gelu, block_n, block_k, split_k, last_reduces, gemv, warps, ln_weight, ln_bias, eps)
 
 
 @skinny_linear_op.register_fake
-def _skinny_linear_fake(x, weight, bias, residual, gelu, block_n, block_k, split_k, last_reduces, gemv, warps):
+def _skinny_linear_fake(x, weight, bias, residual, gelu, block_n, block_k, split_k, last_reduces, gemv, warps,
+                        ln_weight, ln_bias, eps):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def linear(x, weight, bias=None, plan=None, gelu=False, residual=None):
-    """[residual +] [gelu_tanh](x W^T + b) with the Triton kernel (plan) or torch (plan None)."""
+def layer_norm(x, weight, bias, eps):
+    if weight.dtype != x.dtype:  # MixedFusedLayerNorm: fp32 parameters and statistics, output in x's dtype
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def linear(x, weight, bias=None, plan=None, gelu=False, residual=None, ln=None):
+    """[residual +] [gelu_tanh](LN(x) W^T + b) with the Triton kernel (plan) or torch (plan None); ln: None or the
+    LayerNorm's (weight, bias, eps)."""
     if plan is not None:
-        return torch.ops.megatron.skinny_linear(x, weight, bias, residual, gelu, *plan)
+        return torch.ops.megatron.skinny_linear(x, weight, bias, residual, gelu, *plan, *(ln or (None, None, 0.0)))
+    if ln is not None:
+        x = layer_norm(x, *ln)
     y = F.linear(x, weight, bias)
     if gelu:
         y = F.gelu(y, approximate="tanh")
@@ -186,30 +204,33 @@ def graph_time(fn, replays=3, repeats=1):
     return best
 
 
-def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms=None, timer=None):
+def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms=None, timer=None, norms=None):
     """The fastest of torch and the candidate plans for `rows` rows over `weights` (a list of same-shape (N, K)
     tensors, e.g. every layer's), timed in a CUDA graph (timer(fn) -> seconds of fn(), for tests); a plan that
-    fails or disagrees with torch is dropped. Returns (plan or None, {name: seconds per call})."""
+    fails or disagrees with torch is dropped; norms: each layer's LayerNorm (weight, bias, eps) before the GEMM
+    (torch: a LayerNorm then the GEMM). Returns (plan or None, {name: seconds per call})."""
     n, k = weights[0].shape
     device, dtype = weights[0].device, weights[0].dtype
     x = torch.randn(rows, k, device=device, dtype=dtype)
     r = torch.randn(rows, n, device=device, dtype=dtype) if residual else None
 
+    norms = norms or [None] * len(weights)
+
     def run(plan):
         def fn():
-            for w, b in zip(weights, biases):
-                linear(x, w, b, plan, gelu, r)
+            for w, b, ln in zip(weights, biases, norms):
+                linear(x, w, b, plan, gelu, r, ln)
         return fn
     sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
     timer = timer or graph_time
-    want = linear(x, weights[0], biases[0], None, gelu, r).float()
+    want = linear(x, weights[0], biases[0], None, gelu, r, norms[0]).float()
     tol = (1e-3 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
     times = {}
     for plan in [None] + candidates(rows, n, k, sms):
         name = plan_name(plan)
         try:
             if plan is not None:  # a plan must agree with torch before it is timed
-                error = float((linear(x, weights[0], biases[0], plan, gelu, r).float() - want).abs().max())
+                error = float((linear(x, weights[0], biases[0], plan, gelu, r, norms[0]).float() - want).abs().max())
                 if not error <= tol:
                     raise RuntimeError(f"max error {error:.3g} against torch (tolerance {tol:.3g})")
             times[name] = timer(run(plan)) / len(weights)

@@ -12,7 +12,7 @@ _GEMM_CHECK = """
 import torch
 import torch.nn.functional as F
 from megatron.inference import skinny_gemm
-from megatron.inference.skinny_gemm import linear, skinny_linear_triton
+from megatron.inference.skinny_gemm import layer_norm, linear, skinny_linear_triton
 
 gen = torch.Generator().manual_seed(0)
 def want(x, w, b, gelu, r):  # in fp32 from the same (rounded) inputs
@@ -26,17 +26,27 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         x = torch.randn(m, k, generator=gen).to(dtype)
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
         b, r = torch.randn(n, generator=gen).to(dtype), torch.randn(m, n, generator=gen).to(dtype)
-        for bias, gelu, res in ((None, False, None), (b, False, None), (b, True, None), (b, False, r)):
+        ln = (1 + torch.randn(k, generator=gen) / 4).to(dtype), torch.randn(k, generator=gen).to(dtype), 1e-5
+        x_ln = layer_norm(3 * x + 1, *ln)  # the LayerNorm's output in x's dtype, what the kernel's prologue makes
+        for bias, gelu, res, norm in ((None, False, None, None), (b, False, None, None), (b, True, None, None),
+                                      (b, False, r, None), (b, True, None, ln), (None, False, r, ln)):
+            xin = x if norm is None else 3 * x + 1  # the LayerNorm sees a mean and scale to remove
             for gemv in (False, True) if m <= skinny_gemm.GEMV_ROWS else (False,):  # a dot, or CUDA-core products
-                got = skinny_linear_triton(x, w, bias, res, gelu, block_n, block_k, split, gemv=gemv)
+                got = skinny_linear_triton(xin, w, bias, res, gelu, block_n, block_k, split, gemv=gemv,
+                                           **({} if norm is None else dict(zip(("ln_weight", "ln_bias", "eps"), ln))))
                 assert got.dtype == dtype and got.shape == (m, n)
-                torch.testing.assert_close(got.float(), want(x, w, bias, gelu, res), rtol=tol, atol=tol)
+                # bf16: the kernel's and torch's LayerNorm statistics differ in the last fp32 bits, which can round
+                # an element of the LayerNorm's output one bf16 step the other way (up to 3 tol on a sum of K)
+                ln_tol = tol if norm is None or dtype == torch.float32 else 3 * tol
+                torch.testing.assert_close(got.float(), want(x if norm is None else x_ln, w, bias, gelu, res),
+                                           rtol=ln_tol, atol=ln_tol, msg=lambda e: f"{dtype} {m}x{n}x{k}: {e}")
                 for last in (False, True):  # the splits summed by a second kernel or by each tile's last split
-                    assert torch.equal(torch.ops.megatron.skinny_linear(x, w, bias, res, gelu, block_n, block_k,
-                                                                        split, last, gemv, 4), got)
+                    assert torch.equal(torch.ops.megatron.skinny_linear(xin, w, bias, res, gelu, block_n, block_k,
+                                                                        split, last, gemv, 4,
+                                                                        *(norm or (None, None, 0.0))), got)
                 assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[x.device].any()  # the counters back at 0
-                torch.testing.assert_close(got.float(), linear(x, w, bias, None, gelu, res).float(), rtol=2 * tol,
-                                           atol=2 * tol)
+                torch.testing.assert_close(got.float(), linear(xin, w, bias, None, gelu, res, norm).float(),
+                                           rtol=2 * tol, atol=2 * tol)
 # choose_plan: torch and each plan timed (a stand-in clock), a plan that disagrees with torch dropped untimed
 x = torch.randn(2, 512, generator=gen)
 ws, bs = [torch.randn(64, 512, generator=gen) / 20 for _ in range(2)], [torch.randn(64, generator=gen)] * 2
