@@ -3,8 +3,9 @@
     python benchmarks/decode_gemm_sweep.py [--rows 1 8 32 64] [--layers 24] [--repeats 20] [--output FILE.json]
         [--parts gemm attention] [--attention-batches 1 64] [--contexts 32 160 288] [--max-seq-len 288]
 
-For each decode GEMM of the fused step (N x K and its epilogue: qkv 6144x2048 + bias, dense 2048x2048 + bias +
-residual, h->4h 8192x2048 + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM head 250880x2048) and each row
+For each decode GEMM of the fused step (N x K, its prologue and epilogue: qkv 6144x2048 LayerNorm + bias, dense
+2048x2048 + bias + residual, h->4h 8192x2048 LayerNorm + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM
+head 250880x2048; torch runs the LayerNorm as a kernel of its own, the Triton plans in their prologue) and each row
 count, megatron/inference/skinny_gemm.py's choose_plan (the engine's own choice) times torch and every plan of
 candidates(): a CUDA graph of the GEMM over --layers distinct weights of that shape (the real layers' count, so the
 L2 cache holds none of them from one call to the next; the LM head: its one weight) replayed --repeats times back
@@ -29,8 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 # (label, N, K, epilogue flags): the 1.72B model (hidden 2048, vocab 250880)
-SHAPES = [("qkv", 6144, 2048, {}), ("dense", 2048, 2048, {"residual": True}), ("h->4h", 8192, 2048, {"gelu": True}),
-          ("4h->h", 2048, 8192, {"residual": True}), ("LM head", 250880, 2048, {})]
+SHAPES = [("qkv", 6144, 2048, {"ln": True}), ("dense", 2048, 2048, {"residual": True}),
+          ("h->4h", 8192, 2048, {"gelu": True, "ln": True}), ("4h->h", 2048, 8192, {"residual": True}),
+          ("LM head", 250880, 2048, {})]
 
 
 def parse_args(argv=None):
@@ -61,10 +63,14 @@ def gemm_part(args, report, save):
     for label, n, k, flags in SHAPES:
         if label not in args.shapes:
             continue
+        flags = dict(flags)
         count = 1 if label == "LM head" else args.layers
         weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype) for _ in range(count)]
         biases = [None if label == "LM head" else torch.randn(n, device="cuda", generator=gen).to(dtype)
                   for _ in range(count)]
+        if flags.pop("ln", False):
+            flags["norms"] = [(1 + torch.randn(k, device="cuda", generator=gen).to(dtype) / 4,
+                               torch.randn(k, device="cuda", generator=gen).to(dtype), 1e-5) for _ in range(count)]
         for rows in args.rows:
             start = time.perf_counter()
             plan, seconds = choose_plan(rows, weights, biases, label=label,
@@ -80,7 +86,7 @@ def gemm_part(args, report, save):
                                    "tbps": {name: moved / s / 1e12 for name, s in seconds.items()},
                                    "sweep_s": time.perf_counter() - start})
             save()
-        del weights, biases
+        del weights, biases, flags
         torch.cuda.empty_cache()
     for rows in args.rows:
         results = [r for r in report["gemm"] if r["rows"] == rows]
