@@ -448,13 +448,15 @@ class InferenceEngine:
             base = base.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else base
             columns = (base[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_new_cap)
             parts.append(self.out[:top].gather(1, columns))  # (top, width)
-        host = torch.cat(parts, dim=1).cpu()
+        # Python ints at once: tensor indexing per row costs microseconds a call while the device waits for the
+        # next step (64 rows: ~2 ms per sync on a slow host, ~0.1 ms as lists)
+        host = torch.cat(parts, dim=1).cpu().tolist()
         self.copied_tokens += top * width
         finished = []
         for slot, request in list(self.running.items()):
-            count, done = int(host[slot, 0]), bool(host[slot, 1])
+            count, done = host[slot][0], bool(host[slot][1])
             if count > synced[slot]:
-                request.output.extend(host[slot, 2:2 + count - synced[slot]].tolist())
+                request.output.extend(host[slot][2:2 + count - synced[slot]])
             if done:
                 request.finish_reason = "stop" if request.output and request.output[-1] == self.eod_id \
                     else "length"
