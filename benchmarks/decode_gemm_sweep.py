@@ -159,10 +159,10 @@ def main(argv=None):
     report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "triton": triton.__version__, "args": vars(args), "gemm": [], "step_gemm_ms": {}, "attention": []}
 
-    def save():
+    def save():  # after each measurement: a run cut short keeps what it measured
         if args.output:
             with open(args.output, "w") as f:
-                json.dump(report, f, indent=2)
+                f.write(json.dumps(report, indent=2))
     print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}; {args.layers} layers' "
           f"weights per shape, {args.repeats} graph replays per measurement", flush=True)
     if "gemm" in args.parts:
