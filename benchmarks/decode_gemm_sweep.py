@@ -1,7 +1,7 @@
 """Benchmark: torch and every skinny-GEMM candidate plan at the 1.72B model's decode GEMM shapes, in CUDA graphs.
 
     python benchmarks/decode_gemm_sweep.py [--rows 1 8 32 64] [--layers 24] [--repeats 20] [--output FILE.json]
-        [--parts gemm attention] [--attention-batches 1 64] [--contexts 32 160 288] [--max-seq-len 288]
+        [--parts gemm attention] [--attention-batches 1 64] [--contexts 32 288] [--max-seq-len 288]
 
 For each decode GEMM of the fused step (N x K, its prologue and epilogue: qkv 6144x2048 LayerNorm + bias, dense
 2048x2048 + bias + residual, h->4h 8192x2048 LayerNorm + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES])
     parser.add_argument("--parts", nargs="+", choices=["gemm", "attention"], default=["gemm", "attention"])
     parser.add_argument("--attention-batches", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 160, 288], help="keys each row attends to")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 288], help="keys each row attends to")
     parser.add_argument("--max-seq-len", type=int, default=288, help="the cache's positions (the split plan's)")
     parser.add_argument("--output", default=None, help="also write the table as JSON")
     return parser.parse_args(argv)
@@ -98,8 +98,10 @@ def gemm_part(args, report, save):
         report["step_gemm_ms"][str(rows)] = per_step
 
 
-ATTENTION_CONFIGS = [(block_n, target, warps) for block_n in (32, 64, 128) for target in (256, 1024, 4096)
-                     for warps in (4, 8)]
+# (keys per iteration, target programs, warps, splits merged by the last to finish): the engine's launch (64, 256,
+# 4, True), the same with a combine kernel (the engine before), and the others with the merge in the kernel
+ATTENTION_CONFIGS = [(64, 256, 4, False)] + [(block_n, target, warps, True) for block_n in (32, 64, 128)
+                                             for target in (256, 4096) for warps in (4, 8)]
 
 
 def attention_part(args, report, save):
@@ -120,22 +122,25 @@ def attention_part(args, report, save):
             pos = torch.full((batch,), context - 1, device="cuda", dtype=torch.long)
             moved = 2 * batch * heads * context * head_dim * 2  # keys and values read
             times = {}
-            for block_n, target, warps in ATTENTION_CONFIGS:
+            for block_n, target, warps, last_combines in ATTENTION_CONFIGS:
                 split, splits = split_plan(batch, heads, args.max_seq_len, block_n, target)
-                name = f"{block_n} keys, target {target} ({splits} x {split}), {warps} warps"
+                name = f"{block_n} keys, target {target} ({splits} x {split}), {warps} warps" + (
+                    "" if last_combines or splits == 1 else ", combine kernel")
 
                 def fn():
                     for i in range(args.layers):
                         decode_attention_triton(qkv, k[i], v[i], slots, pos, slopes, head_dim ** -0.5, block_n,
-                                                target, warps)
+                                                target, warps, last_combines)
                 times[name] = graph_time(fn, repeats=args.repeats) / args.layers
             best = min(times, key=times.get)
             for name, seconds in sorted(times.items(), key=lambda item: item[1])[:6]:
                 print(f"{batch:>5} {context:>7} {seconds * 1e6:>8.1f} {moved / seconds / 1e12:>6.2f}  {name}"
                       + ("  <- fastest" if name == best else ""), flush=True)
-            default = next(name for name in times if name.startswith("64 keys, target 256 (") and "4 warps" in name)
-            print(f"{batch:>5} {context:>7} {times[default] * 1e6:>8.1f} {moved / times[default] / 1e12:>6.2f}  "
-                  f"{default} (the engine's)", flush=True)
+            default = next(name for name in times if name.startswith("64 keys, target 256 (")
+                           and name.endswith("4 warps"))
+            for name in dict.fromkeys([default, next(iter(times))]):  # the engine's launch, and the one before
+                print(f"{batch:>5} {context:>7} {times[name] * 1e6:>8.1f} {moved / times[name] / 1e12:>6.2f}  "
+                      f"{name} (the engine's{'' if name == default else ' before'})", flush=True)
             report["attention"].append({"batch": batch, "context": context, "bytes": moved, "fastest": best,
                                         "engine": default, "us": {n: t * 1e6 for n, t in times.items()}})
             save()

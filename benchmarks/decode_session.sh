@@ -6,7 +6,8 @@
 # generate at 32 and 64), rows equal to HF at 1 and 8, and the profiles of step_gemm at batch 1 and 64.
 # Each part is time-bounded (160 + 255 s; the tests get SIGINT, so pytest still prints its summary); logs and JSON
 # go to $OUT (the JSON is rewritten as each path and batch size completes: a part cut short keeps what it measured).
-# Optional parts: autotune (max-autotune-no-cudagraphs at 1 and 64), gemm (the GEMMs without the whole-step graph).
+# Optional parts: autotune (max-autotune-no-cudagraphs at 1 and 64), gemm (the GEMMs without the whole-step graph),
+# sweep (benchmarks/decode_gemm_sweep.py), breakdown (generation_speed.py --breakdown of step and step_gemm).
 # Usage, from the repository root after DeepSpeed's install:
 #   bash benchmarks/decode_session.sh [parts...]    (default: tests ab)
 set -uo pipefail
@@ -31,6 +32,15 @@ for part in ${*:-tests ab}; do
       timeout 200 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths compiled gemm \
         --hf none --repeats 2 --prefill-len 0 --output "$OUT/decode_gemm.json" > "$OUT/decode_gemm.log" 2>&1
       grep -v "^\[W" "$OUT/decode_gemm.log" | grep -v "^ *$" | tail -20 ;;
+    sweep)  # every skinny-GEMM plan and torch at the decode shapes, the decode attention's launches
+      timeout 150 python3 benchmarks/decode_gemm_sweep.py --output "$OUT/decode_gemm_sweep.json" \
+        > "$OUT/decode_gemm_sweep.log" 2>&1
+      grep -E "fastest|engine's|^rows|Error" "$OUT/decode_gemm_sweep.log" | tail -60 ;;
+    breakdown)  # generate()'s wall time = prefill + decode steps + host time, at batch 1 and 64
+      timeout 150 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths step step_gemm \
+        --hf none --repeats 2 --prefill-len 0 --breakdown --output "$OUT/decode_breakdown.json" \
+        > "$OUT/decode_breakdown.log" 2>&1
+      grep -v "^\[W" "$OUT/decode_breakdown.log" | grep -E "^ +(1|64) |^-- |Error" | tail -20 ;;
     autotune)
       timeout 300 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths unfused autotune --hf none \
         --repeats 2 --prefill-len 0 --output "$OUT/decode_autotune.json" > "$OUT/decode_autotune.log" 2>&1

@@ -68,9 +68,11 @@ def split_plan(batch, heads, max_len, block_n=64, target_programs=256):
 
 
 def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256,
-                            warps=4):
+                            warps=4, last_combines=True):
     """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row
-    (block_n keys a loop iteration, splits of the keys per split_plan, `warps` warps a program)."""
+    (block_n keys a loop iteration, splits of the keys per split_plan, `warps` warps a program; several splits
+    merged by the last one to finish, or with last_combines=False by a second kernel)."""
+    from megatron.inference.skinny_gemm import arrival_counters
     from megatron.inference.triton_decode import combine_kernel, decode_attention_kernel
     b = qkv.shape[0]
     nh, t, hd = k_cache.shape[1:]
@@ -81,11 +83,14 @@ def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, bl
     out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
     part = torch.empty(b * nh * splits * hd if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
     stat = torch.empty(b * nh * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
-    decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, scale,
+    last_combines = last_combines and splits > 1
+    locks = arrival_counters(qkv.device, b * nh) if last_combines else stat
+    decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, locks, scale,
                                              qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
                                              k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n, SPLIT=split,
-                                             NUM_SPLITS=splits, num_warps=warps)
-    if splits > 1:
+                                             NUM_SPLITS=splits, SPLITS_P2=triton_next_power_of_2(splits),
+                                             LAST_COMBINES=last_combines, num_warps=warps)
+    if splits > 1 and not last_combines:
         combine_kernel[(b, nh)](part, stat, out, out.stride(0), HD=hd, NUM_SPLITS=splits,
                                 SPLITS_P2=triton_next_power_of_2(splits))
     return out

@@ -50,11 +50,14 @@ def block_m(rows, gemv=False):
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-_LOCKS = {}  # device -> int32 arrival counters of the split-K tiles (all 0 between launches)
+_LOCKS = {}  # device -> int32 arrival counters of split tiles (all 0 between launches; launches on one stream)
 _MAX_TILES = 1 << 16
 
 
-def _locks(device):
+def arrival_counters(device, count):
+    """The kernels' shared arrival counters (this GEMM's split-K tiles, the decode attention's splits): each
+    launch leaves them at 0, so kernels that run one after the other on a stream can share them."""
+    assert count <= _MAX_TILES, f"{count} split tiles exceed the {_MAX_TILES} arrival counters"
     if device not in _LOCKS:  # allocated at a first (warm-up) call, outside any graph capture
         _LOCKS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
     return _LOCKS[device]
@@ -84,8 +87,7 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
     grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, bm))
     last_reduces = bool(last_reduces) and split_k > 1
-    locks = _locks(x.device) if last_reduces else y
-    assert not last_reduces or grid[0] * grid[2] <= _MAX_TILES, grid
+    locks = arrival_counters(x.device, grid[0] * grid[2]) if last_reduces else y
     skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, g, beta, float(eps), m, n, k, x.stride(0),
                              weight.stride(0), r.stride(0), y.stride(0), LN=ln_weight is not None,
                              IEEE=x.dtype == torch.float32 or _INTERPRETED,

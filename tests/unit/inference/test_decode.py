@@ -109,11 +109,16 @@ slopes = torch.tensor([0.5, 0.25, 0.125])
 k1, v1 = kc.clone(), vc.clone()
 want = decode_attention_reference(qkv, k1, v1, slots, pos, slopes, 0.25)
 assert not torch.equal(k1, kc)
+from megatron.inference import skinny_gemm
 for target in (12, 24, 256):  # 1, 2 and 5 splits of the 150 keys
-    k2, v2 = kc.clone(), vc.clone()
-    got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, 0.25, block_n=32, target_programs=target)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for last_combines in (True, False):  # the splits merged by the last to finish, or by a second kernel
+        k2, v2 = kc.clone(), vc.clone()
+        got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, 0.25, block_n=32, target_programs=target,
+                                      last_combines=last_combines)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[got.device].any()  # the counters back at 0
+assert target == 256 and skinny_gemm._LOCKS  # the last splits combined in the kernel took the counters
 print("kernel ok")
 """
 
