@@ -5,7 +5,8 @@
 
 For each decode GEMM of the fused step (N x K, its prologue and epilogue: qkv 6144x2048 LayerNorm + bias, dense
 2048x2048 + bias + residual, h->4h 8192x2048 LayerNorm + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM
-head 250880x2048; torch runs the LayerNorm as a kernel of its own, the Triton plans in their prologue) and each row
+head 250880x2048; torch runs the LayerNorm as a kernel of its own, the Triton plans in their prologue up to 8 rows,
+as the fused step does) and each row
 count, megatron/inference/skinny_gemm.py's choose_plan (the engine's own choice) times torch and every plan of
 candidates(): a CUDA graph of the GEMM over --layers distinct weights of that shape (the real layers' count, so the
 L2 cache holds none of them from one call to the next; the LM head: its one weight) replayed --repeats times back
@@ -55,7 +56,7 @@ def call_bytes(rows, n, k, element, bias, residual):
 
 
 def gemm_part(args, report, save):
-    from megatron.inference.skinny_gemm import choose_plan, graph_time
+    from megatron.inference.skinny_gemm import GEMV_ROWS, choose_plan, graph_time
 
     print(f"{'GEMM':>8} {'N x K':>12} {'rows':>4} {'us':>8} {'TB/s':>6}  plan", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -68,13 +69,14 @@ def gemm_part(args, report, save):
         weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype) for _ in range(count)]
         biases = [None if label == "LM head" else torch.randn(n, device="cuda", generator=gen).to(dtype)
                   for _ in range(count)]
-        if flags.pop("ln", False):
-            flags["norms"] = [(1 + torch.randn(k, device="cuda", generator=gen).to(dtype) / 4,
-                               torch.randn(k, device="cuda", generator=gen).to(dtype), 1e-5) for _ in range(count)]
+        norms = [(1 + torch.randn(k, device="cuda", generator=gen).to(dtype) / 4,
+                  torch.randn(k, device="cuda", generator=gen).to(dtype), 1e-5) for _ in range(count)]
+        ln = flags.pop("ln", False)
         for rows in args.rows:
             start = time.perf_counter()
             plan, seconds = choose_plan(rows, weights, biases, label=label,
-                                        timer=lambda fn: graph_time(fn, repeats=args.repeats), **flags)
+                                        timer=lambda fn: graph_time(fn, repeats=args.repeats),
+                                        norms=norms if ln and rows <= GEMV_ROWS else None, **flags)
             moved = call_bytes(rows, n, k, 2, biases[0] is not None, flags.get("residual", False))
             best = min(seconds, key=seconds.get)
             for name, s in sorted(seconds.items(), key=lambda item: item[1]):
@@ -86,7 +88,7 @@ def gemm_part(args, report, save):
                                    "tbps": {name: moved / s / 1e12 for name, s in seconds.items()},
                                    "sweep_s": time.perf_counter() - start})
             save()
-        del weights, biases, flags
+        del weights, biases, norms
         torch.cuda.empty_cache()
     for rows in args.rows:
         results = [r for r in report["gemm"] if r["rows"] == rows]

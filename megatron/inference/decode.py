@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from megatron.inference.skinny_gemm import MAX_ROWS, layer_norm as _layer_norm, linear as skinny_linear
+from megatron.inference.skinny_gemm import GEMV_ROWS, MAX_ROWS, layer_norm as _layer_norm, linear as skinny_linear
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +155,17 @@ def _linear(x, weight, bias, gemv, plan=None, gelu=False, residual=None):
     return y if residual is None else residual + y
 
 
+def _ln_in_prologue(plan, rows, post_ln):
+    """Whether the LayerNorm before a GEMM runs in the Triton kernel's prologue: on a plan, not when the residual
+    stream is the LayerNorm's output (post_ln), and for at most GEMV_ROWS rows (each program reads every row of x
+    for the statistics: a few KB at a handful of rows, hundreds of KB per program at 64)."""
+    return plan is not None and not post_ln and rows <= GEMV_ROWS
+
+
 def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans):
     """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H)); on the Triton kernel the
-    LayerNorm is its prologue (unless the residual stream is the LayerNorm's output, post_ln)."""
-    if plans[0] is not None and not post_ln:
+    LayerNorm is its prologue where _ln_in_prologue."""
+    if _ln_in_prologue(plans[0], x.shape[0], post_ln):
         return x, skinny_linear(x, qkv_w, qkv_b, plans[0], ln=(ln_w, ln_b, eps))
     ln = _layer_norm(x, ln_w, ln_b, eps)
     return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv, plans[0])
@@ -168,7 +175,7 @@ def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_
                     gemv, plans):
     """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
     x = _linear(context, dense_w, dense_b, gemv, plans[1], residual=residual)
-    if plans[2] is not None and not post_ln:  # the LayerNorm in the h->4h kernel's prologue
+    if _ln_in_prologue(plans[2], x.shape[0], post_ln):  # the LayerNorm in the h->4h kernel's prologue
         h = skinny_linear(x, fc1_w, fc1_b, plans[2], gelu=True, ln=(ln_w, ln_b, eps))
         return _linear(h, fc2_w, fc2_b, gemv, plans[3], residual=x)
     ln = _layer_norm(x, ln_w, ln_b, eps)
@@ -308,8 +315,9 @@ class FusedDecoder:
         else:
             from megatron.inference.skinny_gemm import choose_plan
             pre, post, chosen = self.pre, self.post, []
-            def norms(pairs):  # the LayerNorm the kernel runs in its prologue (not with post_ln)
-                return None if self.post_ln else [(w, b, self.eps) for w, b in pairs]
+            def norms(pairs):  # the LayerNorm a plan runs in its prologue (torch: a LayerNorm, then the GEMM)
+                ln = _ln_in_prologue(True, batch, self.post_ln)
+                return [(w, b, self.eps) for w, b in pairs] if ln else None
             for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre],
                                           {"norms": norms(p[:2] for p in pre)}),
                                          ("dense", [p[0] for p in post], [p[1] for p in post], {"residual": True}),
