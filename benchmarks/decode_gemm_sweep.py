@@ -1,7 +1,7 @@
 """Benchmark: torch and every skinny-GEMM candidate plan at the 1.72B model's decode GEMM shapes, in CUDA graphs.
 
     python benchmarks/decode_gemm_sweep.py [--rows 1 8 32 64] [--layers 24] [--repeats 20] [--output FILE.json]
-        [--parts gemm attention] [--attention-batches 1 64] [--contexts 32 288] [--max-seq-len 288]
+        [--parts gemm attention] [--attention-batches 1 64] [--contexts 32 160 288] [--max-seq-len 288]
 
 For each decode GEMM of the fused step (N x K, its prologue and epilogue: qkv 6144x2048 LayerNorm + bias, dense
 2048x2048 + bias + residual, h->4h 8192x2048 LayerNorm + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM
@@ -15,8 +15,8 @@ and writes the table as JSON (--output). A plan that fails to compile or disagre
 
 attention: the fused step's decode attention (megatron/inference/decode.py, Triton) over --layers layers of a
 cache of --max-seq-len positions (the benchmark's prompt 32 + 256 new tokens), every row at the same context, for
-each launch configuration (keys per loop iteration, target programs of the split plan, warps): us per layer and
-the TB/s of the keys and values read. At batch 64 the keys and values of the generation's mean context (160) are
+each launch configuration (ATTENTION_CONFIGS: keys per loop iteration, warps, splits of a row's keys, prefetch):
+us per layer and the TB/s of the keys and values read. At batch 64 the keys and values of the generation's mean context (160) are
 2 GB a step, half the weights' bytes: this part says how far that read is from the bandwidth.
 """
 import argparse
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES])
     parser.add_argument("--parts", nargs="+", choices=["gemm", "attention"], default=["gemm", "attention"])
     parser.add_argument("--attention-batches", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 288], help="keys each row attends to")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 160, 288], help="keys each row attends to")
     parser.add_argument("--max-seq-len", type=int, default=288, help="the cache's positions (the split plan's)")
     parser.add_argument("--output", default=None, help="also write the table as JSON")
     return parser.parse_args(argv)
@@ -100,14 +100,37 @@ def gemm_part(args, report, save):
         report["step_gemm_ms"][str(rows)] = per_step
 
 
-# (keys per iteration, target programs, warps, splits merged by the last to finish): the engine's launch (64, 256,
-# 4, True), the same with a combine kernel (the engine before), and the others with the merge in the kernel
-ATTENTION_CONFIGS = [(64, 256, 4, False)] + [(block_n, target, warps, True) for block_n in (32, 64, 128)
-                                             for target in (256, 4096) for warps in (4, 8)]
+# decode_attention_triton's launches: {} is the engine's (its defaults). Registers bound the programs an SM holds
+# (sm_90, triton 3.9: 64 keys x 4 warps 191 registers a thread, 2 programs; 16 keys x 1 warp 145, 13 programs), so
+# small programs, several splits of a long row at batch 64 (target 2048/4096: 2/4 programs per (row, head), each
+# split min_keys keys at least) and the next block prefetched are timed against it
+ATTENTION_CONFIGS = [{}, dict(last_combines=False), dict(block_n=32), dict(block_n=32, prefetch=True),
+                     dict(block_n=16, warps=1), dict(block_n=16, warps=1, prefetch=True), dict(block_n=16, warps=2),
+                     dict(block_n=16, warps=1, target_programs=2048, min_keys=64),
+                     dict(block_n=16, warps=1, target_programs=2048, min_keys=64, prefetch=True),
+                     dict(block_n=16, warps=1, target_programs=4096, min_keys=64),
+                     dict(block_n=16, warps=2, target_programs=4096, min_keys=64),
+                     dict(block_n=32, target_programs=2048, min_keys=64),
+                     dict(block_n=64, target_programs=2048, min_keys=128),
+                     dict(block_n=64, target_programs=4096, min_keys=64)]
+
+
+def attention_name(batch, heads, max_len, config):
+    """The launch in words: keys per iteration, warps, the most splits and their least keys, prefetch, merge."""
+    import inspect
+
+    from megatron.inference.decode import decode_attention_triton, split_plan
+    c = {name: p.default for name, p in inspect.signature(decode_attention_triton).parameters.items()
+         if p.default is not inspect.Parameter.empty}
+    c.update(config)
+    splits = split_plan(batch, heads, max_len, c["block_n"], c["target_programs"])
+    return (f"{c['block_n']} keys, {c['warps']} warps, <= {splits} splits of >= {c['min_keys'] or c['block_n']} keys"
+            + (", prefetch" if c["prefetch"] else "") + (", combine kernel" if splits > 1 and not c["last_combines"]
+                                                         else ""))
 
 
 def attention_part(args, report, save):
-    from megatron.inference.decode import decode_attention_triton, split_plan
+    from megatron.inference.decode import decode_attention_triton
     from megatron.inference.skinny_gemm import graph_time
 
     heads, head_dim, dtype = 16, 128, torch.bfloat16
@@ -115,8 +138,7 @@ def attention_part(args, report, save):
     shape = (args.layers, slots_total, heads, args.max_seq_len, head_dim)
     k, v = torch.randn(shape, device="cuda", dtype=dtype), torch.randn(shape, device="cuda", dtype=dtype)
     slopes = torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)], device="cuda")
-    print(f"{'batch':>5} {'context':>7} {'us/layer':>8} {'TB/s':>6}  keys per iteration, target programs "
-          f"(splits x keys), warps", flush=True)
+    print(f"{'batch':>5} {'context':>7} {'us/layer':>8} {'TB/s':>6}  launch", flush=True)
     for batch in args.attention_batches:
         qkv = torch.randn(batch, heads * 3 * head_dim, device="cuda", dtype=dtype)
         slots = torch.arange(batch, device="cuda")
@@ -124,25 +146,25 @@ def attention_part(args, report, save):
             pos = torch.full((batch,), context - 1, device="cuda", dtype=torch.long)
             moved = 2 * batch * heads * context * head_dim * 2  # keys and values read
             times = {}
-            for block_n, target, warps, last_combines in ATTENTION_CONFIGS:
-                split, splits = split_plan(batch, heads, args.max_seq_len, block_n, target)
-                name = f"{block_n} keys, target {target} ({splits} x {split}), {warps} warps" + (
-                    "" if last_combines or splits == 1 else ", combine kernel")
+            for config in ATTENTION_CONFIGS:
+                name = attention_name(batch, heads, args.max_seq_len, config)
+                if name in times:  # the same launch at this batch (e.g. one split either way)
+                    continue
 
                 def fn():
                     for i in range(args.layers):
-                        decode_attention_triton(qkv, k[i], v[i], slots, pos, slopes, head_dim ** -0.5, block_n,
-                                                target, warps, last_combines)
-                times[name] = graph_time(fn, repeats=args.repeats) / args.layers
+                        decode_attention_triton(qkv, k[i], v[i], slots, pos, slopes, head_dim ** -0.5, **config)
+                try:
+                    times[name] = graph_time(fn, repeats=args.repeats) / args.layers
+                except Exception as err:  # noqa: BLE001  a launch that fails to compile or run is reported, not timed
+                    print(f"{batch:>5} {context:>7} {name} failed ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:160] if str(err) else ''})", flush=True)
             best = min(times, key=times.get)
-            for name, seconds in sorted(times.items(), key=lambda item: item[1])[:6]:
+            default = attention_name(batch, heads, args.max_seq_len, {})
+            for name, seconds in sorted(times.items(), key=lambda item: item[1]):
                 print(f"{batch:>5} {context:>7} {seconds * 1e6:>8.1f} {moved / seconds / 1e12:>6.2f}  {name}"
-                      + ("  <- fastest" if name == best else ""), flush=True)
-            default = next(name for name in times if name.startswith("64 keys, target 256 (")
-                           and name.endswith("4 warps"))
-            for name in dict.fromkeys([default, next(iter(times))]):  # the engine's launch, and the one before
-                print(f"{batch:>5} {context:>7} {times[name] * 1e6:>8.1f} {moved / times[name] / 1e12:>6.2f}  "
-                      f"{name} (the engine's{'' if name == default else ' before'})", flush=True)
+                      + ("  <- fastest" if name == best else "") + ("  (the engine's)" if name == default else ""),
+                      flush=True)
             report["attention"].append({"batch": batch, "context": context, "bytes": moved, "fastest": best,
                                         "engine": default, "us": {n: t * 1e6 for n, t in times.items()}})
             save()

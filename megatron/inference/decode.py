@@ -59,19 +59,20 @@ def decode_attention_reference(qkv, k_cache, v_cache, slots, pos, slopes, scale)
 
 
 def split_plan(batch, heads, max_len, block_n=64, target_programs=256):
-    """(keys per split, number of splits): enough (row, head, split) programs to fill the GPU at a small batch,
-    splits of whole blocks, one split once batch x heads reaches target_programs."""
+    """The most splits of a row's keys: enough (row, head, split) programs to fill the GPU at a small batch (about
+    target_programs), at most one per block of the cache's keys; one once batch x heads reaches target_programs.
+    The kernel uses fewer for a short row (triton_decode.py: as many as keep min_keys keys each)."""
     blocks = -(-max_len // block_n)
-    splits = max(1, min(blocks, target_programs // max(1, batch * heads)))
-    split = -(-blocks // splits) * block_n
-    return split, -(-max_len // split)
+    return max(1, min(blocks, target_programs // max(1, batch * heads)))
 
 
 def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256,
-                            warps=4, last_combines=True):
+                            warps=4, last_combines=True, min_keys=None, prefetch=False):
     """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row
-    (block_n keys a loop iteration, splits of the keys per split_plan, `warps` warps a program; several splits
-    merged by the last one to finish, or with last_combines=False by a second kernel)."""
+    (block_n keys a loop iteration, at most split_plan's splits of the keys, each of min_keys keys at least
+    (default block_n), `warps` warps a program, prefetch: the next block's keys and values loaded while this
+    block's are summed; several splits merged by the last one to finish, or with last_combines=False by a second
+    kernel). The defaults are the engine's launch."""
     from megatron.inference.skinny_gemm import arrival_counters
     from megatron.inference.triton_decode import combine_kernel, decode_attention_kernel
     b = qkv.shape[0]
@@ -79,7 +80,8 @@ def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, bl
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1, \
         (k_cache.stride(), v_cache.stride(), qkv.stride())
     assert hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two for the Triton decode kernel"
-    split, splits = split_plan(b, nh, t, block_n, target_programs)
+    splits = split_plan(b, nh, t, block_n, target_programs)
+    min_keys = min_keys or block_n
     out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
     part = torch.empty(b * nh * splits * hd if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
     stat = torch.empty(b * nh * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
@@ -87,11 +89,12 @@ def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, bl
     locks = arrival_counters(qkv.device, b * nh) if last_combines else stat
     decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, locks, scale,
                                              qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                             k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n, SPLIT=split,
-                                             NUM_SPLITS=splits, SPLITS_P2=triton_next_power_of_2(splits),
-                                             LAST_COMBINES=last_combines, num_warps=warps)
+                                             k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n,
+                                             MIN_KEYS=min_keys, NUM_SPLITS=splits,
+                                             SPLITS_P2=triton_next_power_of_2(splits), LAST_COMBINES=last_combines,
+                                             PREFETCH=bool(prefetch), num_warps=warps)
     if splits > 1 and not last_combines:
-        combine_kernel[(b, nh)](part, stat, out, out.stride(0), HD=hd, NUM_SPLITS=splits,
+        combine_kernel[(b, nh)](part, stat, pos, out, out.stride(0), HD=hd, MIN_KEYS=min_keys, NUM_SPLITS=splits,
                                 SPLITS_P2=triton_next_power_of_2(splits))
     return out
 

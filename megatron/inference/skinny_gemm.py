@@ -80,25 +80,32 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     assert (ln_weight is None) == (ln_bias is None), "a LayerNorm needs its weight and bias"
     g, beta = (ln_weight, ln_bias) if ln_weight is not None else (y, y)
     r = residual if residual is not None else y
-    bm = block_m(m, gemv)
-    # software-pipelined stages of the x and W tiles, within ~160 KB of shared memory (fp32 tiles are twice as big)
-    stage_bytes = (bm + block_n) * block_k * (4 if x.dtype == torch.float32 or _INTERPRETED else x.element_size())
-    stages = max(1, min(3, (160 << 10) // stage_bytes))
-    flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
-    grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, bm))
     last_reduces = bool(last_reduces) and split_k > 1
+    flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
+    meta = kernel_meta(m, n, k, x.dtype, block_n, block_k, split_k, last_reduces, gemv, warps,
+                       ln=ln_weight is not None, **flags)
+    grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, meta["BLOCK_M"]))
     locks = arrival_counters(x.device, grid[0] * grid[2]) if last_reduces else y
     skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, g, beta, float(eps), m, n, k, x.stride(0),
-                             weight.stride(0), r.stride(0), y.stride(0), LN=ln_weight is not None,
-                             IEEE=x.dtype == torch.float32 or _INTERPRETED,
-                             EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n,
-                             BLOCK_K=block_k, SPLIT_K=split_k, LAST_REDUCES=last_reduces, GEMV=bool(gemv),
-                             num_stages=stages, num_warps=warps, **flags)
+                             weight.stride(0), r.stride(0), y.stride(0), **meta)
     if split_k > 1 and not last_reduces:
         splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
                                                                          SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
                                                                          **flags)
     return y
+
+
+def kernel_meta(m, n, k, dtype, block_n, block_k, split_k, last_reduces, gemv, warps, ln, HAS_BIAS, GELU, RESIDUAL,
+                interpreted=_INTERPRETED):
+    """skinny_gemm_kernel's compile-time arguments (constexprs, num_stages, num_warps) for an (m, k) x (n, k)^T call
+    in `dtype`: what a launch compiles (tests compile them for the GPU ahead of time, without one)."""
+    bm = block_m(m, gemv)
+    # software-pipelined stages of the x and W tiles, within ~160 KB of shared memory (fp32 tiles are twice as big)
+    stage_bytes = (bm + block_n) * block_k * (4 if dtype == torch.float32 or interpreted else dtype.itemsize)
+    return dict(HAS_BIAS=HAS_BIAS, GELU=GELU, RESIDUAL=RESIDUAL, LN=ln, IEEE=dtype == torch.float32 or interpreted,
+                EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+                SPLIT_K=split_k, LAST_REDUCES=last_reduces, GEMV=bool(gemv),
+                num_stages=max(1, min(3, (160 << 10) // stage_bytes)), num_warps=warps)
 
 
 def triton_cdiv(a, b):

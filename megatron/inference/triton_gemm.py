@@ -47,20 +47,20 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, g_
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = m < M, n < N
     if LN:  # each row's mean and 1/std over all of K (fp32, two passes; the rows are a few KB, read from L2)
-        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
-            total += tl.sum(tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                                    mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32), axis=1)
-        mean = total / K
-        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            row_sum += tl.sum(tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                                      mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32), axis=1)
+        mean = row_sum / K
+        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             valid = m_mask[:, None] & (k < K)[None, :]
             d = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=valid, other=0.0).to(tl.float32)
             d = tl.where(valid, d - mean[:, None], 0.0)
-            total += tl.sum(d * d, axis=1)
-        rstd = 1.0 / tl.sqrt(total / K + eps)
+            row_sum += tl.sum(d * d, axis=1)
+        rstd = 1.0 / tl.sqrt(row_sum / K + eps)
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole blocks of K per split
     first = pid_k * chunk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,12 +97,12 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, g_
             tl.debug_barrier()  # every thread's partial is stored before the release below
             arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the other splits' partials are visible (acquire; loads bypass L1)
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                summed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(SPLIT_K):
-                    total += tl.load(part_ptr + (s * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
-                                     cache_modifier=".cg")
-                total = _epilogue(total, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS, GELU, RESIDUAL)
-                tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+                    summed += tl.load(part_ptr + (s * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
+                                      cache_modifier=".cg")
+                summed = _epilogue(summed, n, n_mask, m, mask, b_ptr, r_ptr, stride_rm, HAS_BIAS, GELU, RESIDUAL)
+                tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], summed.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(lock_ptr + tile, 0)
 
 

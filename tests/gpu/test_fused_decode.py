@@ -28,7 +28,7 @@ def prompts(batch, seed=1, low=5, high=40):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b", [1, 3, 8, 32])  # 10, 5, 2 and 1 splits of the keys (decode.split_plan)
+@pytest.mark.parametrize("b", [1, 3, 8, 32])  # at most 10, 5, 2 and 1 splits of the keys (decode.split_plan)
 def test_triton_attention_equals_torch(dtype, b):
     gen = torch.Generator().manual_seed(0)
     slots_n, nh, t, hd = 33, 16, 600, 128
@@ -41,9 +41,11 @@ def test_triton_attention_equals_torch(dtype, b):
     k1, v1 = kc.clone(), vc.clone()
     want = decode_attention_reference(qkv, k1, v1, slots, pos, slopes, hd ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for last_combines in (True, False):  # the splits merged by the last to finish, or by a second kernel
+    # the engine's launch, its splits merged by a second kernel, small programs split over long rows, prefetch
+    for config in ({}, dict(last_combines=False), dict(block_n=16, warps=1, target_programs=4096, min_keys=64),
+                   dict(block_n=32, prefetch=True), dict(block_n=16, warps=1, target_programs=2048, prefetch=True)):
         k2, v2 = kc.clone(), vc.clone()
-        got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, hd ** -0.5, last_combines=last_combines)
+        got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, hd ** -0.5, **config)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
         assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[got.device].any()  # the counters back at 0
