@@ -5,19 +5,19 @@
 
 For each decode GEMM of the fused step (N x K, its prologue and epilogue: qkv 6144x2048 LayerNorm + bias, dense
 2048x2048 + bias + residual, h->4h 8192x2048 LayerNorm + bias + GeLU, 4h->h 2048x8192 + bias + residual, the LM
-head 250880x2048; torch runs the LayerNorm as a kernel of its own, the Triton plans in their prologue up to 8 rows,
-as the fused step does) and each row
-count, megatron/inference/skinny_gemm.py's choose_plan (the engine's own choice) times torch and every plan of
-candidates(): a CUDA graph of the GEMM over --layers distinct weights of that shape (the real layers' count, so the
-L2 cache holds none of them from one call to the next; the LM head: its one weight) replayed --repeats times back
-to back. Prints us per call and the TB/s of the bytes each call moves (W, bias, x, residual, y), marks the fastest,
-and writes the table as JSON (--output). A plan that fails to compile or disagrees with torch is left out (logged).
+head 250880x2048 after the final LayerNorm; torch runs the LayerNorm as a kernel of its own, the Triton plans in
+their prologue up to 8 rows, as the fused step does) and each row count, megatron/inference/skinny_gemm.py's
+choose_plan (the engine's own choice) times torch and every plan of candidates(): a CUDA graph of the GEMM over
+--layers distinct weights of that shape (the real layers' count, so the L2 cache holds none of them from one call
+to the next; the LM head: its one weight) replayed --repeats times back to back. Prints us per call and the TB/s
+of the bytes each call moves (W, bias, x, residual, y), marks the fastest, and writes the table as JSON
+(--output). A plan that fails to compile or disagrees with torch is left out (logged).
 
 attention: the fused step's decode attention (megatron/inference/decode.py, Triton) over --layers layers of a
 cache of --max-seq-len positions (the benchmark's prompt 32 + 256 new tokens), every row at the same context, for
 each launch configuration (ATTENTION_CONFIGS: keys per loop iteration, warps, splits of a row's keys, prefetch):
-us per layer and the TB/s of the keys and values read. At batch 64 the keys and values of the generation's mean context (160) are
-2 GB a step, half the weights' bytes: this part says how far that read is from the bandwidth.
+us per layer and the TB/s of the keys and values read. At batch 64 the keys and values of the generation's mean
+context (160) are 2 GB a step, half the weights' bytes: this part says how far that read is from the bandwidth.
 """
 import argparse
 import json
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 # (label, N, K, epilogue flags): the 1.72B model (hidden 2048, vocab 250880)
 SHAPES = [("qkv", 6144, 2048, {"ln": True}), ("dense", 2048, 2048, {"residual": True}),
           ("h->4h", 8192, 2048, {"gelu": True, "ln": True}), ("4h->h", 2048, 8192, {"residual": True}),
-          ("LM head", 250880, 2048, {})]
+          ("LM head", 250880, 2048, {"ln": True})]
 
 
 def parse_args(argv=None):

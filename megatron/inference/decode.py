@@ -22,7 +22,7 @@ bound is read from the device), so one CUDA graph per bucket serves every length
 
 gemm="triton"/"auto": the segments' GEMMs may run megatron/inference/skinny_gemm.py's split-K kernel instead of
 torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue, and the
-LayerNorm before the QKV and h->4h GEMMs in its prologue, so neither LayerNorm is a launch of its own); a plan per
+LayerNorm before the QKV, h->4h and LM head GEMMs in its prologue, so none of them is a launch of its own); a plan per
 GEMM and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul (after its LayerNorm) timed
 faster.
 """
@@ -205,7 +205,10 @@ def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b
                  final_w, final_b, emb, eps, post_ln, gemv, vocab_limit, plans=NO_PLANS):
     x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
                         gemv, plans)
-    logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv, plans[4]).float()  # (B, V)
+    if _ln_in_prologue(plans[4], x.shape[0], False):  # the final LayerNorm in the LM head kernel's prologue
+        logits = skinny_linear(x, emb, None, plans[4], ln=(final_w, final_b, eps)).float()  # (B, V)
+    else:
+        logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv, plans[4]).float()
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_limit, float("-inf"))
@@ -327,7 +330,9 @@ class FusedDecoder:
                                          ("h->4h", [p[4] for p in post], [p[5] for p in post],
                                           {"gelu": True, "norms": norms(p[2:4] for p in post)}),
                                          ("4h->h", [p[6] for p in post], [p[7] for p in post], {"residual": True}),
-                                         ("LM head", [self.emb], [None], {})):
+                                         ("LM head", [self.emb], [None],
+                                          {"norms": [(*self.final, self.eps)]  # its output is no residual
+                                           if _ln_in_prologue(True, batch, False) else None})):
                 plan, seconds = choose_plan(batch, ws, bs, label=label, **flags)
                 chosen.append(plan)
                 self.gemm_times[(batch, label)] = seconds

@@ -14,14 +14,14 @@ pytestmark = pytest.mark.gpu
 def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
     """The 1.72B model's decode GEMMs (N x K) with their epilogues against fp32 torch: the first candidate plan at
     each shape, every candidate at the dense and QKV shapes (split-K, summed in the kernel or by a second one, the
-    GEMV products); the QKV and h->4h GEMMs with their LayerNorm in the kernel's prologue; the split-K tiles'
+    GEMV products); the QKV, h->4h and LM head GEMMs with their LayerNorm in the kernel's prologue; the split-K tiles'
     arrival counters are back at 0 after each call."""
     from megatron.inference import skinny_gemm
     from megatron.inference.skinny_gemm import candidates, layer_norm, skinny_linear_triton
     gen = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     shapes = [(6144, 2048, False, False, True), (2048, 2048, False, True, False), (8192, 2048, True, False, True),
-              (2048, 8192, False, True, False)] + ([(250880, 2048, False, False, False)] if dtype == torch.bfloat16
+              (2048, 8192, False, True, False)] + ([(250880, 2048, False, False, True)] if dtype == torch.bfloat16
                                                    else [])
     for n, k, gelu, residual, norm in shapes:
         x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)

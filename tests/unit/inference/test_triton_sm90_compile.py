@@ -30,7 +30,7 @@ def compile_sm90(kernel, pointers, meta, floats=("eps", "scale")):
 # (label, N, K, LayerNorm in the prologue up to GEMV_ROWS rows, bias, GeLU, residual): the fused step's GEMMs
 SHAPES = [("qkv", 6144, 2048, True, True, False, False), ("dense", 2048, 2048, False, True, False, True),
           ("h->4h", 8192, 2048, True, True, True, False), ("4h->h", 2048, 8192, False, True, False, True),
-          ("LM head", 250880, 2048, False, False, False, False)]
+          ("LM head", 250880, 2048, True, False, False, False)]
 
 
 def gemm_launches():
