@@ -15,9 +15,10 @@ of the bytes each call moves (W, bias, x, residual, y), marks the fastest, and w
 
 attention: the fused step's decode attention (megatron/inference/decode.py, Triton) over --layers layers of a
 cache of --max-seq-len positions (the benchmark's prompt 32 + 256 new tokens), every row at the same context, for
-each launch configuration (ATTENTION_CONFIGS: keys per loop iteration, warps, splits of a row's keys, prefetch):
-us per layer and the TB/s of the keys and values read. At batch 64 the keys and values of the generation's mean
-context (160) are 2 GB a step, half the weights' bytes: this part says how far that read is from the bandwidth.
+each launch configuration (decode.ATTENTION_LAUNCHES and MORE_ATTENTION_CONFIGS: keys per loop iteration, warps,
+splits of a row's keys, prefetch): us per layer and the TB/s of the keys and values read. At batch 64 the keys and
+values of the generation's mean context (160) are 2 GB a step, half the weights' bytes: this part says how far
+that read is from the bandwidth.
 """
 import argparse
 import json
@@ -100,20 +101,18 @@ def gemm_part(args, report, save):
         report["step_gemm_ms"][str(rows)] = per_step
 
 
-# decode_attention_triton's launches: {} is the engine's (its defaults). Registers bound the programs an SM holds
-# (sm_90, triton 3.9, one split: 64 keys x 4 warps 197 registers a thread, 2 programs of 4 warps; 32 x 4: 106, 4;
-# 16 x 4: 72, 7; 16 x 1: 138, 14), so
-# small programs, several splits of a long row at batch 64 (target 2048/4096: 2/4 programs per (row, head), each
-# split min_keys keys at least) and the next block prefetched are timed against it
-ATTENTION_CONFIGS = [{}, dict(last_combines=False), dict(block_n=32), dict(block_n=32, prefetch=True),
-                     dict(block_n=16, warps=1), dict(block_n=16, warps=1, prefetch=True), dict(block_n=16, warps=2),
-                     dict(block_n=16, warps=4),
-                     dict(block_n=16, warps=1, target_programs=2048, min_keys=64),
-                     dict(block_n=16, warps=1, target_programs=2048, min_keys=64, prefetch=True),
-                     dict(block_n=16, warps=1, target_programs=4096, min_keys=64),
-                     dict(block_n=16, warps=2, target_programs=4096, min_keys=64),
-                     dict(block_n=32, target_programs=2048, min_keys=64),
-                     dict(block_n=64, target_programs=2048, min_keys=128)]
+# decode_attention_triton's launches besides decode.ATTENTION_LAUNCHES (the ones FusedDecoder.prepare times for
+# gemm="auto"; {}: the defaults, the engine's otherwise). Registers bound the programs an SM holds (sm_90,
+# triton 3.9, one split: 64 keys x 4 warps 197 registers a thread, 2 programs of 4 warps; 32 x 4: 106, 4; 16 x 4:
+# 72, 7; 16 x 1: 138, 14), so small programs, several splits of a long row at batch 64 (target 2048/4096: 2/4
+# programs per (row, head), each split min_keys keys at least) and the next block prefetched are timed too
+MORE_ATTENTION_CONFIGS = [dict(last_combines=False), dict(block_n=32, prefetch=True),
+                          dict(block_n=16, warps=1, prefetch=True), dict(block_n=16, warps=2),
+                          dict(block_n=16, warps=1, target_programs=2048, min_keys=64, prefetch=True),
+                          dict(block_n=16, warps=1, target_programs=4096, min_keys=64),
+                          dict(block_n=16, warps=2, target_programs=4096, min_keys=64),
+                          dict(block_n=32, target_programs=2048, min_keys=64),
+                          dict(block_n=64, target_programs=2048, min_keys=128)]
 
 
 def attention_name(batch, heads, max_len, config):
@@ -131,7 +130,7 @@ def attention_name(batch, heads, max_len, config):
 
 
 def attention_part(args, report, save):
-    from megatron.inference.decode import decode_attention_triton
+    from megatron.inference.decode import ATTENTION_LAUNCHES, decode_attention_triton
     from megatron.inference.skinny_gemm import graph_time
 
     heads, head_dim, dtype = 16, 128, torch.bfloat16
@@ -147,7 +146,7 @@ def attention_part(args, report, save):
             pos = torch.full((batch,), context - 1, device="cuda", dtype=torch.long)
             moved = 2 * batch * heads * context * head_dim * 2  # keys and values read
             times = {}
-            for config in ATTENTION_CONFIGS:
+            for config in list(ATTENTION_LAUNCHES) + MORE_ATTENTION_CONFIGS:
                 name = attention_name(batch, heads, args.max_seq_len, config)
                 if name in times:  # the same launch at this batch (e.g. one split either way)
                     continue

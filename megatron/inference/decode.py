@@ -103,6 +103,59 @@ def triton_next_power_of_2(n):
     return 1 << (n - 1).bit_length()
 
 
+# decode_attention_triton's launches FusedDecoder.prepare times for gemm="auto" ({}: the defaults): small programs
+# hold fewer registers, so an SM runs more of them (sm_90: 64 keys x 4 warps 2 programs, 16 x 1 14; see
+# benchmarks/decode_gemm_sweep.py), and long rows of a large batch may split in two
+ATTENTION_LAUNCHES = ({}, dict(block_n=32), dict(block_n=16, warps=4), dict(block_n=16, warps=1),
+                      dict(block_n=16, warps=1, target_programs=2048, min_keys=64))
+
+
+def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, scale, timer=None, layers=4,
+                     budget=1 << 29):
+    """The fastest of ATTENTION_LAUNCHES for a batch bucket: each timed (timer(fn) -> seconds, default a CUDA
+    graph) over `layers` scratch caches of `batch` rows (not the engine's cache, whose rows may be running), every
+    row at a quarter and at all of the keys, summed: about a generation's mean context. The scratch holds at most
+    `budget` bytes (fewer keys than max_len if need be). A launch that fails or disagrees with the torch attention
+    is dropped (logged).
+    Returns (launch kwargs, {launch name: seconds per layer})."""
+    from megatron.inference.skinny_gemm import graph_time
+    keys = max_len
+    while keys > 64 and 2 * layers * batch * heads * keys * head_dim * dtype.itemsize > budget:
+        keys //= 2
+    k = torch.randn(layers, batch, heads, keys, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    qkv = torch.randn(batch, heads * 3 * head_dim, device=device, dtype=dtype)
+    slots = torch.arange(batch, device=device)
+    timer = timer or (lambda fn: graph_time(fn, repeats=10))  # a few layers' launches: replayed back to back
+    last = torch.full((batch,), keys - 1, device=device, dtype=torch.long)
+    want = decode_attention_reference(qkv, k[0].clone(), v[0].clone(), slots, last, slopes, scale).float()
+    tol = (1e-4 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
+    times = {}
+    for launch in ATTENTION_LAUNCHES:
+        name = ", ".join(f"{key} {value}" for key, value in launch.items()) or "defaults"
+        try:  # a launch must agree with the torch attention before it is timed
+            got = decode_attention_triton(qkv, k[0], v[0], slots, last, slopes, scale, **launch).float()
+            error = float((got - want).abs().max())
+            if not error <= tol:
+                raise RuntimeError(f"max error {error:.3g} against the torch attention (tolerance {tol:.3g})")
+            total = 0.0
+            for context in (max(1, keys // 4), keys):
+                pos = torch.full((batch,), context - 1, device=device, dtype=torch.long)
+
+                def fn():
+                    for i in range(layers):
+                        decode_attention_triton(qkv, k[i], v[i], slots, pos, slopes, scale, **launch)
+                total += timer(fn) / layers
+            times[name] = (total, launch)
+        except Exception as err:  # noqa: BLE001  a launch that fails to compile or capture is not chosen
+            logger.warning(f"inference: decode attention {name} failed ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:160] if str(err) else ''}); not a candidate")
+    best = min(times, key=lambda key: times[key][0])
+    logger.info(f"inference: decode attention batch {batch}, {keys} keys: {best} ("
+                + ", ".join(f"{key} {t * 1e6:.1f} us" for key, (t, _) in times.items()) + ")")
+    return times[best][1], {key: t for key, (t, _) in times.items()}
+
+
 _CHECKED = {}
 
 
@@ -230,7 +283,8 @@ class FusedDecoder:
     tuned reduction kernel.
     gemm: "torch" (default), "triton" (skinny_gemm.py's kernel for every GEMM of a bucket <= 64 rows, its first
     candidate plan) or "auto" (per weight shape and bucket, the kernel's best plan or torch, whichever is faster
-    on the device; timed by prepare(batch), which the engine calls before it captures a bucket).
+    on the device, and per bucket the Triton attention's fastest launch of ATTENTION_LAUNCHES; timed by
+    prepare(batch), which the engine calls before it captures a bucket).
     """
 
     def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None, gemm=None):
@@ -289,6 +343,8 @@ class FusedDecoder:
         self.plans = {}  # batch bucket -> (qkv, dense, h->4h, 4h->h, LM head) plans (None: torch)
         self.gemm_times = {}  # (batch bucket, GEMM) -> {"torch" or a plan's name: seconds per call}, gemm="auto"
         self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
+        self.launches = {}  # batch bucket -> decode_attention_triton's launch (gemm="auto": timed; else defaults)
+        self.attention_times = {}  # batch bucket -> {launch: seconds per layer}, gemm="auto"
         self.compile_mode = compile_mode
         self.gemv = False
         self._head, self._mid, self._tail = head_segment, mid_segment, tail_segment
@@ -307,7 +363,8 @@ class FusedDecoder:
                     f"{'eager' if compile_mode is None else 'torch.compile mode ' + compile_mode}, {gemm} GEMMs)")
 
     def prepare(self, batch):
-        """The GEMM plans of a batch bucket (timed on the device for gemm='auto'); outside any graph capture."""
+        """The GEMM plans of a batch bucket (timed on the device for gemm='auto', with the attention's launch);
+        outside any graph capture."""
         if batch in self.plans:
             return self.plans[batch]
         if self.gemm == "torch" or batch > MAX_ROWS:
@@ -330,13 +387,17 @@ class FusedDecoder:
                                          ("h->4h", [p[4] for p in post], [p[5] for p in post],
                                           {"gelu": True, "norms": norms(p[2:4] for p in post)}),
                                          ("4h->h", [p[6] for p in post], [p[7] for p in post], {"residual": True}),
-                                         ("LM head", [self.emb], [None],
-                                          {"norms": [(*self.final, self.eps)]  # its output is no residual
+                                         ("LM head", [self.emb], [None],  # the final LayerNorm: no residual
+                                          {"norms": [(*self.final, self.eps)]
                                            if _ln_in_prologue(True, batch, False) else None})):
                 plan, seconds = choose_plan(batch, ws, bs, label=label, **flags)
                 chosen.append(plan)
                 self.gemm_times[(batch, label)] = seconds
             plans = tuple(chosen)
+            if self.attention_impl == "triton":
+                k = self.cache.k[0]
+                self.launches[batch], self.attention_times[batch] = choose_attention(
+                    batch, k.shape[1], k.shape[3], k.shape[2], k.dtype, k.device, self.cache.slopes, self.scale)
         self.plans[batch] = plans
         return plans
 
@@ -344,10 +405,11 @@ class FusedDecoder:
         """Writes each row's new key/value at pos[b] of slot slots[b] and returns fp32 logits (B, V)."""
         cache, eps, post_ln, gemv = self.cache, self.eps, self.post_ln, self.gemv
         plans = self.prepare(tokens.shape[0])
+        launch = self.launches.get(tokens.shape[0], {})
         last = len(self.pre) - 1
         residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln, gemv, plans)
         for i in range(last + 1):
-            context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale)
+            context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale, **launch)
             if i < last:
                 residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln, gemv,
                                           plans)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron.inference import InferenceEngine, SamplingParams
+from megatron.inference.decode import ATTENTION_LAUNCHES
 from tests.gpu.test_fused_decode import model, prompts
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +72,9 @@ def test_whole_step_graph_and_triton_gemms_equal_unfused_in_fp32(batch):
         eng = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, graph_step=True, **kwargs)
         assert eng.graph_step and eng.generate(ps, params) == want, kwargs
         assert all(len(key) == 4 for key in eng._graphs), list(eng._graphs)
+        if kwargs.get("gemm") == "auto":  # every attention launch ran, agreed with torch and was timed
+            assert len(eng.decoder.attention_times[batch]) == len(ATTENTION_LAUNCHES), eng.decoder.attention_times
+            assert eng.decoder.launches[batch] in ATTENTION_LAUNCHES
     unfused = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, decode="unfused", graph_step=True)
     assert unfused.generate(ps, params) == want
 
