@@ -163,10 +163,10 @@ def attention_part(args, report, save):
             default = attention_name(batch, heads, args.max_seq_len, {})
             for name, seconds in sorted(times.items(), key=lambda item: item[1]):
                 print(f"{batch:>5} {context:>7} {seconds * 1e6:>8.1f} {moved / seconds / 1e12:>6.2f}  {name}"
-                      + ("  <- fastest" if name == best else "") + ("  (the engine's)" if name == default else ""),
+                      + ("  <- fastest" if name == best else "") + ("  (the defaults)" if name == default else ""),
                       flush=True)
             report["attention"].append({"batch": batch, "context": context, "bytes": moved, "fastest": best,
-                                        "engine": default, "us": {n: t * 1e6 for n, t in times.items()}})
+                                        "defaults": default, "us": {n: t * 1e6 for n, t in times.items()}})
             save()
     del k, v
     torch.cuda.empty_cache()

@@ -36,7 +36,7 @@ for part in ${*:-tests ab}; do
     sweep)  # every skinny-GEMM plan and torch at the decode shapes, the decode attention's launches
       timeout 150 python3 benchmarks/decode_gemm_sweep.py --output "$OUT/decode_gemm_sweep.json" \
         > "$OUT/decode_gemm_sweep.log" 2>&1
-      grep -E "fastest|engine's|^rows|Error" "$OUT/decode_gemm_sweep.log" | tail -60 ;;
+      grep -E "fastest|engine's|defaults|^rows|Error" "$OUT/decode_gemm_sweep.log" | tail -60 ;;
     breakdown)  # generate()'s wall time = prefill + decode steps + host time, at batch 1 and 64
       timeout 150 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths step step_gemm \
         --hf none --repeats 2 --prefill-len 0 --breakdown --output "$OUT/decode_breakdown.json" \
@@ -47,10 +47,10 @@ for part in ${*:-tests ab}; do
       timeout -s INT -k 15 100 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_decode_graph_gemm.py \
         tests/gpu/test_fused_decode.py::test_triton_attention_equals_torch > "$OUT/decode_gpu_tests.log" 2>&1
       grep -E "passed|failed|Error" "$OUT/decode_gpu_tests.log" | tail -8
-      timeout 110 python3 benchmarks/decode_gemm_sweep.py --shapes qkv "h->4h" "LM head" --rows 1 8 \
+      timeout 100 python3 benchmarks/decode_gemm_sweep.py --shapes qkv "h->4h" "LM head" --rows 1 8 \
         --output "$OUT/decode_gemm_sweep.json" > "$OUT/decode_gemm_sweep.log" 2>&1
-      grep -E "fastest|engine's|^rows|failed|Error" "$OUT/decode_gemm_sweep.log" | tail -40
-      timeout 100 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths step_gemm \
+      grep -E "fastest|defaults|^rows|failed|Error" "$OUT/decode_gemm_sweep.log" | tail -40
+      timeout 130 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 64 --paths step_gemm \
         --hf none --repeats 2 --prefill-len 0 --breakdown --output "$OUT/decode_breakdown.json" \
         > "$OUT/decode_breakdown.log" 2>&1
       grep -v "^\[W" "$OUT/decode_breakdown.log" | grep -E "^ +(1|64) |^-- |Error" | tail -12 ;;

@@ -257,6 +257,9 @@ def main(argv=None):
                     side["gemm_plans"] = {str(b): list(p) for b, p in decoder.plans.items()}
                     side["gemm_us"] = {f"{b} {label}": {k: v * 1e6 for k, v in times.items()}
                                        for (b, label), times in decoder.gemm_times.items()}
+                    side["attention_launch"] = {str(b): launch for b, launch in decoder.launches.items()}
+                    side["attention_us"] = {str(b): {k: v * 1e6 for k, v in times.items()}
+                                            for b, times in decoder.attention_times.items()}
                 if path != "unfused" and "unfused" in outputs:
                     side["rows_equal_to_unfused"] = sum(a == b for a, b in zip(outputs[path], outputs["unfused"]))
                 row["sides"][path] = side
