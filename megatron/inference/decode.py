@@ -110,10 +110,11 @@ ATTENTION_LAUNCHES = ({}, dict(block_n=32), dict(block_n=16, warps=4), dict(bloc
                       dict(block_n=16, warps=1, target_programs=2048, min_keys=64))
 
 
-def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, scale, timer=None, layers=4,
+def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, scale, timer=None, layers=2,
                      budget=1 << 29):
     """The fastest of ATTENTION_LAUNCHES for a batch bucket: each timed (timer(fn) -> seconds, default a CUDA
-    graph) over `layers` scratch caches of `batch` rows (not the engine's cache, whose rows may be running), every
+    graph) over `layers` scratch caches of `batch` rows (not the engine's cache, whose rows may be running; at batch
+    64 one is larger than the H200's L2 cache, and at batch 1 the engine's layers fit in it too), every
     row at a quarter and at all of the keys, summed: about a generation's mean context. The scratch holds at most
     `budget` bytes (fewer keys than max_len if need be). A launch that fails or disagrees with the torch attention
     is dropped (logged).
@@ -122,8 +123,13 @@ def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, sca
     keys = max_len
     while keys > 64 and 2 * layers * batch * heads * keys * head_dim * dtype.itemsize > budget:
         keys //= 2
-    k = torch.randn(layers, batch, heads, keys, head_dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
+    try:
+        k = torch.randn(layers, batch, heads, keys, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+    except torch.OutOfMemoryError:
+        logger.warning(f"inference: no memory for the decode attention's timing scratch ({budget >> 20} MiB at "
+                       f"most); batch {batch} uses the default launch")
+        return {}, {}
     qkv = torch.randn(batch, heads * 3 * head_dim, device=device, dtype=dtype)
     slots = torch.arange(batch, device=device)
     timer = timer or (lambda fn: graph_time(fn, repeats=10))  # a few layers' launches: replayed back to back
