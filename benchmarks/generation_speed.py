@@ -12,7 +12,9 @@ max-autotune-no-cudagraphs; round 2's changes on top of compiled, each switchabl
 update included) in the CUDA graph (graph_step=True), gemm = the skinny Triton GEMMs where timed faster
 (gemm="auto"), step_gemm = both. --profile: the top CUDA kernels of 32 decode steps and the wall ms per decode
 step (one engine.step of 32 steps after the prefill, without the profiler) for --profile-paths at
---profile-batches, into the log and the JSON. HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
+--profile-batches, into the log and the JSON. --breakdown: one more generate() per path and batch size, its wall
+time split into prefill, decode steps and the host's time between them (events around each), with the decode
+step's time over the first and last tenth of the generation (what grows with the context). HF: `static` = generate with a static cache and torch.compile (--hf-compile-mode)
 at --hf-static-batch-sizes, HF's default generate at the others; if static raises, HF's default generate from
 then on, and the row says so (mode and note in the JSON); `default` = HF's default generate everywhere.
 
@@ -83,6 +85,10 @@ def parse_args(argv=None):
                         help="the paths --profile profiles (default: every path run)")
     parser.add_argument("--profile-batches", type=int, nargs="+", default=None,
                         help="the batch sizes --profile profiles (default: every batch size)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="one more generate() per path and batch size, its wall time split into prefill, decode "
+                             "steps and host time between them (CUDA events), with the decode step's time along "
+                             "the generation")
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -195,7 +201,8 @@ def main(argv=None):
           f"{args.dtype}, {name}, torch {torch.__version__}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens, greedy; bound: {args.bandwidth_tbps} TB/s over the weights + each row's keys/values", flush=True)
     report = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "args": vars(args),
-              "weight_bytes": weight_bytes, "rows": [], "prefill": None, "profiles": []}
+              "weight_bytes": weight_bytes, "rows": [], "prefill": None, "profiles": [],
+              "breakdowns": []}
 
     def save():
         if args.output:
@@ -250,10 +257,15 @@ def main(argv=None):
                     side["gemm_plans"] = {str(b): list(p) for b, p in decoder.plans.items()}
                     side["gemm_us"] = {f"{b} {label}": {k: v * 1e6 for k, v in times.items()}
                                        for (b, label), times in decoder.gemm_times.items()}
+                    side["attention_launch"] = {str(b): launch for b, launch in decoder.launches.items()}
+                    side["attention_us"] = {str(b): {k: v * 1e6 for k, v in times.items()}
+                                            for b, times in decoder.attention_times.items()}
                 if path != "unfused" and "unfused" in outputs:
                     side["rows_equal_to_unfused"] = sum(a == b for a, b in zip(outputs[path], outputs["unfused"]))
                 row["sides"][path] = side
                 show(batch, path, side)
+                if args.breakdown:
+                    report["breakdowns"].append(breakdown(engine, prompt_lists, params, path))
                 if args.profile and device.type == "cuda" and path in args.profile_paths \
                         and batch in args.profile_batches:
                     report["profiles"].append(profile_decode(engine, prompt_lists, path))
@@ -318,6 +330,70 @@ def main(argv=None):
         print(f"prefill of {args.prefill_len} tokens (time to the first token): "
               + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()), flush=True)
         save()
+
+
+class _HostEvent:
+    """torch.cuda.Event's record() and elapsed_time() (ms) on the host clock, for CPU runs (work done on return)."""
+
+    def record(self):
+        self.seconds = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.seconds - self.seconds) * 1e3
+
+
+def breakdown(engine, prompts, params, label):
+    """One engine.generate(prompts, params) with an event recorded around each admission (prefill) and each decode
+    step (one graph replay with graph_step), its wall time split into prefill, decode and the rest: the host's
+    time between them (request bookkeeping, the syncs' copies, Python) while the device waits. The decode steps'
+    own times along the generation show what grows with the context (the attention over each row's keys)."""
+    device = engine.device
+    new_event = (lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else _HostEvent
+    spans = {"prefill": [], "decode": []}
+
+    def timed_method(name, kind):
+        method = getattr(engine, name)
+
+        def wrapper(*args, **kwargs):
+            start, end = new_event(), new_event()
+            start.record()
+            out = method(*args, **kwargs)
+            end.record()
+            spans[kind].append((start, end))
+            return out
+        setattr(engine, name, wrapper)  # an instance attribute: shadows the method for this engine only
+    timed_method("_admit", "prefill")
+    timed_method("_decode_step", "decode")
+    syncs = []
+    collect = engine._collect
+    engine._collect = lambda: syncs.append(1) or collect()
+    try:
+        sync(device)
+        first, last = new_event(), new_event()
+        first.record()
+        engine.generate(prompts, params)
+        last.record()
+        sync(device)
+    finally:
+        for name in ("_admit", "_decode_step", "_collect"):
+            delattr(engine, name)
+    wall = first.elapsed_time(last)
+    prefill = sum(s.elapsed_time(e) for s, e in spans["prefill"])
+    steps = [s.elapsed_time(e) for s, e in spans["decode"]]
+    decode = sum(steps)
+    tenth = max(1, len(steps) // 10)
+    result = {"path": label, "batch": len(prompts), "wall_ms": wall, "prefill_ms": prefill, "decode_ms": decode,
+              "host_ms": wall - prefill - decode, "syncs": len(syncs), "decode_steps": len(steps),
+              "decode_step_ms_first_tenth": sum(steps[:tenth]) / tenth,
+              "decode_step_ms_last_tenth": sum(steps[-tenth:]) / tenth,
+              "tokens_per_s": len(prompts) * params.max_new_tokens / wall * 1e3,
+              "decode_tokens_per_s": len(prompts) * len(steps) / decode * 1e3 if decode else float("nan")}
+    print(f"-- {label}, batch {len(prompts)}: generate {wall:.1f} ms ({result['tokens_per_s']:.1f} tokens/s) = "
+          f"prefill {prefill:.1f} ms + {len(steps)} decode steps {decode:.1f} ms ({result['decode_tokens_per_s']:.1f} "
+          f"tokens/s; {result['decode_step_ms_first_tenth']:.3f} ms per step over the first tenth, "
+          f"{result['decode_step_ms_last_tenth']:.3f} over the last) + host {result['host_ms']:.1f} ms "
+          f"({len(syncs)} syncs)", flush=True)
+    return result
 
 
 def profile_decode(engine, prompts, label, steps=32, top=15):

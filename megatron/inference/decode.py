@@ -21,15 +21,17 @@ rows of a bucket point at a scratch slot nobody owns. All shapes are fixed per b
 bound is read from the device), so one CUDA graph per bucket serves every length, with or without compile.
 
 gemm="triton"/"auto": the segments' GEMMs may run megatron/inference/skinny_gemm.py's split-K kernel instead of
-torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue); a plan per GEMM
-and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul timed faster.
+torch's (a custom op, opaque to inductor, with the bias, GeLU and residual add in its epilogue, and the
+LayerNorm before the QKV, h->4h and LM head GEMMs in its prologue, so none of them is a launch of its own); a plan per
+GEMM and batch bucket (qkv, dense, h->4h, 4h->h, LM head), None where torch's matmul (after its LayerNorm) timed
+faster.
 """
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from megatron.inference.skinny_gemm import MAX_ROWS, linear as skinny_linear
+from megatron.inference.skinny_gemm import GEMV_ROWS, MAX_ROWS, layer_norm as _layer_norm, linear as skinny_linear
 
 logger = logging.getLogger(__name__)
 
@@ -57,38 +59,107 @@ def decode_attention_reference(qkv, k_cache, v_cache, slots, pos, slopes, scale)
 
 
 def split_plan(batch, heads, max_len, block_n=64, target_programs=256):
-    """(keys per split, number of splits): enough (row, head, split) programs to fill the GPU at a small batch,
-    splits of whole blocks, one split once batch x heads reaches target_programs."""
+    """The most splits of a row's keys: enough (row, head, split) programs to fill the GPU at a small batch (about
+    target_programs), at most one per block of the cache's keys; one once batch x heads reaches target_programs.
+    The kernel uses fewer for a short row (triton_decode.py: as many as keep min_keys keys each)."""
     blocks = -(-max_len // block_n)
-    splits = max(1, min(blocks, target_programs // max(1, batch * heads)))
-    split = -(-blocks // splits) * block_n
-    return split, -(-max_len // split)
+    return max(1, min(blocks, target_programs // max(1, batch * heads)))
 
 
-def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256):
-    """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row."""
+def decode_attention_triton(qkv, k_cache, v_cache, slots, pos, slopes, scale, block_n=64, target_programs=256,
+                            warps=4, last_combines=True, min_keys=None, prefetch=False):
+    """decode_attention_reference's contract in Triton kernels that read only keys 0..pos[b] of each row
+    (block_n keys a loop iteration, at most split_plan's splits of the keys, each of min_keys keys at least
+    (default block_n), `warps` warps a program, prefetch: the next block's keys and values loaded while this
+    block's are summed; several splits merged by the last one to finish, or with last_combines=False by a second
+    kernel). The defaults are the engine's launch."""
+    from megatron.inference.skinny_gemm import arrival_counters
     from megatron.inference.triton_decode import combine_kernel, decode_attention_kernel
     b = qkv.shape[0]
     nh, t, hd = k_cache.shape[1:]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and qkv.stride(-1) == 1, \
         (k_cache.stride(), v_cache.stride(), qkv.stride())
     assert hd & (hd - 1) == 0, f"head_dim {hd} must be a power of two for the Triton decode kernel"
-    split, splits = split_plan(b, nh, t, block_n, target_programs)
+    splits = split_plan(b, nh, t, block_n, target_programs)
+    min_keys = min_keys or block_n
     out = torch.empty(b, nh * hd, dtype=qkv.dtype, device=qkv.device)
     part = torch.empty(b * nh * splits * hd if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
     stat = torch.empty(b * nh * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
-    decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, scale,
+    last_combines = last_combines and splits > 1
+    locks = arrival_counters(qkv.device, b * nh) if last_combines else stat
+    decode_attention_kernel[(b, nh, splits)](qkv, k_cache, v_cache, slots, pos, slopes, out, part, stat, locks, scale,
                                              qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                             k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n, SPLIT=split,
-                                             NUM_SPLITS=splits)
-    if splits > 1:
-        combine_kernel[(b, nh)](part, stat, out, out.stride(0), HD=hd, NUM_SPLITS=splits,
+                                             k_cache.stride(2), out.stride(0), HD=hd, BLOCK_N=block_n,
+                                             MIN_KEYS=min_keys, NUM_SPLITS=splits,
+                                             SPLITS_P2=triton_next_power_of_2(splits), LAST_COMBINES=last_combines,
+                                             PREFETCH=bool(prefetch), num_warps=warps)
+    if splits > 1 and not last_combines:
+        combine_kernel[(b, nh)](part, stat, pos, out, out.stride(0), HD=hd, MIN_KEYS=min_keys, NUM_SPLITS=splits,
                                 SPLITS_P2=triton_next_power_of_2(splits))
     return out
 
 
 def triton_next_power_of_2(n):
     return 1 << (n - 1).bit_length()
+
+
+# decode_attention_triton's launches FusedDecoder.prepare times for gemm="auto" ({}: the defaults): small programs
+# hold fewer registers, so an SM runs more of them (sm_90: 64 keys x 4 warps 2 programs, 16 x 1 14; see
+# benchmarks/decode_gemm_sweep.py), and long rows of a large batch may split in two
+ATTENTION_LAUNCHES = ({}, dict(block_n=32), dict(block_n=16, warps=4), dict(block_n=16, warps=1),
+                      dict(block_n=16, warps=1, target_programs=2048, min_keys=64))
+
+
+def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, scale, timer=None, layers=2,
+                     budget=1 << 29):
+    """The fastest of ATTENTION_LAUNCHES for a batch bucket: each timed (timer(fn) -> seconds, default a CUDA
+    graph) over `layers` scratch caches of `batch` rows (not the engine's cache, whose rows may be running; at batch
+    64 one is larger than the H200's L2 cache, and at batch 1 the engine's layers fit in it too), every
+    row at a quarter and at all of the keys, summed: about a generation's mean context. The scratch holds at most
+    `budget` bytes (fewer keys than max_len if need be). A launch that fails or disagrees with the torch attention
+    is dropped (logged).
+    Returns (launch kwargs, {launch name: seconds per layer})."""
+    from megatron.inference.skinny_gemm import graph_time
+    keys = max_len
+    while keys > 64 and 2 * layers * batch * heads * keys * head_dim * dtype.itemsize > budget:
+        keys //= 2
+    try:
+        k = torch.randn(layers, batch, heads, keys, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+    except torch.OutOfMemoryError:
+        logger.warning(f"inference: no memory for the decode attention's timing scratch ({budget >> 20} MiB at "
+                       f"most); batch {batch} uses the default launch")
+        return {}, {}
+    qkv = torch.randn(batch, heads * 3 * head_dim, device=device, dtype=dtype)
+    slots = torch.arange(batch, device=device)
+    timer = timer or (lambda fn: graph_time(fn, repeats=10))  # a few layers' launches: replayed back to back
+    last = torch.full((batch,), keys - 1, device=device, dtype=torch.long)
+    want = decode_attention_reference(qkv, k[0].clone(), v[0].clone(), slots, last, slopes, scale).float()
+    tol = (1e-4 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
+    times = {}
+    for launch in ATTENTION_LAUNCHES:
+        name = ", ".join(f"{key} {value}" for key, value in launch.items()) or "defaults"
+        try:  # a launch must agree with the torch attention before it is timed
+            got = decode_attention_triton(qkv, k[0], v[0], slots, last, slopes, scale, **launch).float()
+            error = float((got - want).abs().max())
+            if not error <= tol:
+                raise RuntimeError(f"max error {error:.3g} against the torch attention (tolerance {tol:.3g})")
+            total = 0.0
+            for context in (max(1, keys // 4), keys):
+                pos = torch.full((batch,), context - 1, device=device, dtype=torch.long)
+
+                def fn():
+                    for i in range(layers):
+                        decode_attention_triton(qkv, k[i], v[i], slots, pos, slopes, scale, **launch)
+                total += timer(fn) / layers
+            times[name] = (total, launch)
+        except Exception as err:  # noqa: BLE001  a launch that fails to compile or capture is not chosen
+            logger.warning(f"inference: decode attention {name} failed ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:160] if str(err) else ''}); not a candidate")
+    best = min(times, key=lambda key: times[key][0])
+    logger.info(f"inference: decode attention batch {batch}, {keys} keys: {best} ("
+                + ", ".join(f"{key} {t * 1e6:.1f} us" for key, (t, _) in times.items()) + ")")
+    return times[best][1], {key: t for key, (t, _) in times.items()}
 
 
 _CHECKED = {}
@@ -126,12 +197,6 @@ def triton_available(device):
 
 # ---- the segments between attentions (pure torch: torch.compile fuses them) --------------------------------
 
-def _layer_norm(x, weight, bias, eps):
-    if weight.dtype != x.dtype:  # MixedFusedLayerNorm: fp32 parameters and statistics, output in x's dtype
-        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-
-
 NO_PLANS = (None,) * 5  # every GEMM by torch
 
 
@@ -152,8 +217,18 @@ def _linear(x, weight, bias, gemv, plan=None, gelu=False, residual=None):
     return y if residual is None else residual + y
 
 
+def _ln_in_prologue(plan, rows, post_ln):
+    """Whether the LayerNorm before a GEMM runs in the Triton kernel's prologue: on a plan, not when the residual
+    stream is the LayerNorm's output (post_ln), and for at most GEMV_ROWS rows (each program reads every row of x
+    for the statistics: a few KB at a handful of rows, hundreds of KB per program at 64)."""
+    return plan is not None and not post_ln and rows <= GEMV_ROWS
+
+
 def _pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, eps, post_ln, gemv, plans):
-    """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H))."""
+    """Block input LayerNorm -> QKV projection: (the residual stream, qkv (B, 3H)); on the Triton kernel the
+    LayerNorm is its prologue where _ln_in_prologue."""
+    if _ln_in_prologue(plans[0], x.shape[0], post_ln):
+        return x, skinny_linear(x, qkv_w, qkv_b, plans[0], ln=(ln_w, ln_b, eps))
     ln = _layer_norm(x, ln_w, ln_b, eps)
     return (ln if post_ln else x), _linear(ln, qkv_w, qkv_b, gemv, plans[0])
 
@@ -162,6 +237,9 @@ def _post_attention(residual, context, dense_w, dense_b, ln_w, ln_b, fc1_w, fc1_
                     gemv, plans):
     """The rest of a block after attention: dense + residual, LayerNorm, MLP + residual -> (B, H)."""
     x = _linear(context, dense_w, dense_b, gemv, plans[1], residual=residual)
+    if _ln_in_prologue(plans[2], x.shape[0], post_ln):  # the LayerNorm in the h->4h kernel's prologue
+        h = skinny_linear(x, fc1_w, fc1_b, plans[2], gelu=True, ln=(ln_w, ln_b, eps))
+        return _linear(h, fc2_w, fc2_b, gemv, plans[3], residual=x)
     ln = _layer_norm(x, ln_w, ln_b, eps)
     residual = ln if post_ln else x
     return _linear(_linear(ln, fc1_w, fc1_b, gemv, plans[2], gelu=True), fc2_w, fc2_b, gemv, plans[3],
@@ -186,7 +264,10 @@ def tail_segment(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b
                  final_w, final_b, emb, eps, post_ln, gemv, vocab_limit, plans=NO_PLANS):
     x = _post_attention(residual, context, dense_w, dense_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, eps, post_ln,
                         gemv, plans)
-    logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv, plans[4]).float()  # (B, V)
+    if _ln_in_prologue(plans[4], x.shape[0], False):  # the final LayerNorm in the LM head kernel's prologue
+        logits = skinny_linear(x, emb, None, plans[4], ln=(final_w, final_b, eps)).float()  # (B, V)
+    else:
+        logits = _linear(_layer_norm(x, final_w, final_b, eps), emb, None, gemv, plans[4]).float()
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(ids >= vocab_limit, float("-inf"))
@@ -208,7 +289,8 @@ class FusedDecoder:
     tuned reduction kernel.
     gemm: "torch" (default), "triton" (skinny_gemm.py's kernel for every GEMM of a bucket <= 64 rows, its first
     candidate plan) or "auto" (per weight shape and bucket, the kernel's best plan or torch, whichever is faster
-    on the device; timed by prepare(batch), which the engine calls before it captures a bucket).
+    on the device, and per bucket the Triton attention's fastest launch of ATTENTION_LAUNCHES; timed by
+    prepare(batch), which the engine calls before it captures a bucket).
     """
 
     def __init__(self, model, cache, vocab_limit=None, attention=None, compile_mode=None, gemm=None):
@@ -267,6 +349,8 @@ class FusedDecoder:
         self.plans = {}  # batch bucket -> (qkv, dense, h->4h, 4h->h, LM head) plans (None: torch)
         self.gemm_times = {}  # (batch bucket, GEMM) -> {"torch" or a plan's name: seconds per call}, gemm="auto"
         self._attend = decode_attention_triton if attention == "triton" else decode_attention_reference
+        self.launches = {}  # batch bucket -> decode_attention_triton's launch (gemm="auto": timed; else defaults)
+        self.attention_times = {}  # batch bucket -> {launch: seconds per layer}, gemm="auto"
         self.compile_mode = compile_mode
         self.gemv = False
         self._head, self._mid, self._tail = head_segment, mid_segment, tail_segment
@@ -285,7 +369,8 @@ class FusedDecoder:
                     f"{'eager' if compile_mode is None else 'torch.compile mode ' + compile_mode}, {gemm} GEMMs)")
 
     def prepare(self, batch):
-        """The GEMM plans of a batch bucket (timed on the device for gemm='auto'); outside any graph capture."""
+        """The GEMM plans of a batch bucket (timed on the device for gemm='auto', with the attention's launch);
+        outside any graph capture."""
         if batch in self.plans:
             return self.plans[batch]
         if self.gemm == "torch" or batch > MAX_ROWS:
@@ -299,15 +384,26 @@ class FusedDecoder:
         else:
             from megatron.inference.skinny_gemm import choose_plan
             pre, post, chosen = self.pre, self.post, []
-            for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre], {}),
+            def norms(pairs):  # the LayerNorm a plan runs in its prologue (torch: a LayerNorm, then the GEMM)
+                ln = _ln_in_prologue(True, batch, self.post_ln)
+                return [(w, b, self.eps) for w, b in pairs] if ln else None
+            for label, ws, bs, flags in (("qkv", [p[2] for p in pre], [p[3] for p in pre],
+                                          {"norms": norms(p[:2] for p in pre)}),
                                          ("dense", [p[0] for p in post], [p[1] for p in post], {"residual": True}),
-                                         ("h->4h", [p[4] for p in post], [p[5] for p in post], {"gelu": True}),
+                                         ("h->4h", [p[4] for p in post], [p[5] for p in post],
+                                          {"gelu": True, "norms": norms(p[2:4] for p in post)}),
                                          ("4h->h", [p[6] for p in post], [p[7] for p in post], {"residual": True}),
-                                         ("LM head", [self.emb], [None], {})):
+                                         ("LM head", [self.emb], [None],  # the final LayerNorm: no residual
+                                          {"norms": [(*self.final, self.eps)]
+                                           if _ln_in_prologue(True, batch, False) else None})):
                 plan, seconds = choose_plan(batch, ws, bs, label=label, **flags)
                 chosen.append(plan)
                 self.gemm_times[(batch, label)] = seconds
             plans = tuple(chosen)
+            if self.attention_impl == "triton":
+                k = self.cache.k[0]
+                self.launches[batch], self.attention_times[batch] = choose_attention(
+                    batch, k.shape[1], k.shape[3], k.shape[2], k.dtype, k.device, self.cache.slopes, self.scale)
         self.plans[batch] = plans
         return plans
 
@@ -315,10 +411,11 @@ class FusedDecoder:
         """Writes each row's new key/value at pos[b] of slot slots[b] and returns fp32 logits (B, V)."""
         cache, eps, post_ln, gemv = self.cache, self.eps, self.post_ln, self.gemv
         plans = self.prepare(tokens.shape[0])
+        launch = self.launches.get(tokens.shape[0], {})
         last = len(self.pre) - 1
         residual, qkv = self._head(tokens, self.emb, *self.emb_ln, *self.pre[0], eps, post_ln, gemv, plans)
         for i in range(last + 1):
-            context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale)
+            context = self._attend(qkv, cache.k[i], cache.v[i], slots, pos, cache.slopes, self.scale, **launch)
             if i < last:
                 residual, qkv = self._mid(residual, context, *self.post[i], *self.pre[i + 1], eps, post_ln, gemv,
                                           plans)

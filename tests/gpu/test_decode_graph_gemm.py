@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron.inference import InferenceEngine, SamplingParams
+from megatron.inference.decode import ATTENTION_LAUNCHES
 from tests.gpu.test_fused_decode import model, prompts
 
 pytestmark = pytest.mark.gpu
@@ -13,16 +14,25 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype,rows", [(torch.float32, 8), (torch.bfloat16, 1), (torch.bfloat16, 64)])
 def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
     """The 1.72B model's decode GEMMs (N x K) with their epilogues against fp32 torch: the first candidate plan at
-    each shape, every candidate at the dense shape (split-K 8 and 4, summed in the kernel or by a second one);
-    the split-K tiles' arrival counters are back at 0 after each call."""
+    each shape, every candidate at the dense and QKV shapes (split-K, summed in the kernel or by a second one, the
+    GEMV products); the QKV, h->4h and LM head GEMMs with their LayerNorm in the kernel's prologue; the split-K tiles'
+    arrival counters are back at 0 after each call."""
     from megatron.inference import skinny_gemm
-    from megatron.inference.skinny_gemm import candidates, skinny_linear_triton
+    from megatron.inference.skinny_gemm import candidates, layer_norm, skinny_linear_triton
     gen = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    shapes = [(6144, 2048, False, False), (2048, 2048, False, True), (8192, 2048, True, False),
-              (2048, 8192, False, True)] + ([(250880, 2048, False, False)] if dtype == torch.bfloat16 else [])
-    for n, k, gelu, residual in shapes:
+    shapes = [(6144, 2048, False, False, True), (2048, 2048, False, True, False), (8192, 2048, True, False, True),
+              (2048, 8192, False, True, False)] + ([(250880, 2048, False, False, True)] if dtype == torch.bfloat16
+                                                   else [])
+    for n, k, gelu, residual, norm in shapes:
         x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+        ln = {}
+        if norm:  # the kernel normalises 3 x + 1; torch's LayerNorm output (in the dtype) is the GEMM's input
+            ln = dict(ln_weight=(1 + torch.randn(k, device="cuda", generator=gen) / 4).to(dtype),
+                      ln_bias=torch.randn(k, device="cuda", generator=gen).to(dtype), eps=1e-5)
+            x, x_in = layer_norm(3 * x + 1, ln["ln_weight"], ln["ln_bias"], 1e-5), 3 * x + 1
+        else:
+            x_in = x
         w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(dtype)
         b = None if n == 250880 else torch.randn(n, device="cuda", generator=gen).to(dtype)
         r = torch.randn(rows, n, device="cuda", generator=gen).to(dtype) if residual else None
@@ -30,20 +40,22 @@ def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
         want = torch.nn.functional.gelu(want, approximate="tanh") if gelu else want
         want = want if r is None else want + r.float()
         plans = candidates(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-        for plan in plans if (n, k) == (2048, 2048) else plans[:1]:
-            got = skinny_linear_triton(x, w, b, r, gelu, *plan)
+        for plan in plans if (n, k) in ((2048, 2048), (6144, 2048)) else plans[:1]:
+            got = skinny_linear_triton(x_in, w, b, r, gelu, *plan, **ln)
             torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=lambda m: f"{n}x{k} {plan}: {m}")
             assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[x.device].any()
-            again = skinny_linear_triton(x, w, b, r, gelu, *plan)  # the sums in a fixed order: bitwise the same
+            again = skinny_linear_triton(x_in, w, b, r, gelu, *plan, **ln)  # sums in a fixed order: bitwise equal
             assert torch.equal(again, got), plan
 
 
 def test_choose_plan_times_torch_and_every_candidate():
-    from megatron.inference.skinny_gemm import choose_plan, plan_name
+    from megatron.inference.skinny_gemm import candidates, choose_plan, plan_name
     ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     bs = [torch.randn(2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     plan, seconds = choose_plan(1, ws, bs, residual=True, label="test")
-    assert len(seconds) == 4 and "torch" in seconds and all(0 < s < 1e-2 for s in seconds.values()), seconds
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert len(seconds) == 1 + len(candidates(1, 2048, 2048, sms)) and "torch" in seconds, seconds
+    assert all(0 < s < 1e-2 for s in seconds.values()), seconds
     best = min(seconds, key=seconds.get)
     assert best == plan_name(plan)
 
@@ -60,6 +72,9 @@ def test_whole_step_graph_and_triton_gemms_equal_unfused_in_fp32(batch):
         eng = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, graph_step=True, **kwargs)
         assert eng.graph_step and eng.generate(ps, params) == want, kwargs
         assert all(len(key) == 4 for key in eng._graphs), list(eng._graphs)
+        if kwargs.get("gemm") == "auto":  # every attention launch ran, agreed with torch and was timed
+            assert len(eng.decoder.attention_times[batch]) == len(ATTENTION_LAUNCHES), eng.decoder.attention_times
+            assert eng.decoder.launches[batch] in ATTENTION_LAUNCHES
     unfused = InferenceEngine(ours, max_batch_size=batch, max_seq_len=128, decode="unfused", graph_step=True)
     assert unfused.generate(ps, params) == want
 

@@ -109,23 +109,40 @@ slopes = torch.tensor([0.5, 0.25, 0.125])
 k1, v1 = kc.clone(), vc.clone()
 want = decode_attention_reference(qkv, k1, v1, slots, pos, slopes, 0.25)
 assert not torch.equal(k1, kc)
-for target in (12, 24, 256):  # 1, 2 and 5 splits of the 150 keys
-    k2, v2 = kc.clone(), vc.clone()
-    got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, 0.25, block_n=32, target_programs=target)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+from megatron.inference import skinny_gemm
+# 1, 2 and 5 splits of the 150 keys at most; min_keys 16 (below block_n): rows whose rounded splits leave some
+# without keys (pos 63: 4 splits of 32 keys for 64 keys); 64: fewer, longer splits; the next block prefetched
+for target, min_keys, prefetch in ((12, None, False), (24, None, True), (256, None, False), (256, 16, True),
+                                   (256, 64, True)):
+    for last_combines in (True, False):  # the splits merged by the last to finish, or by a second kernel
+        k2, v2 = kc.clone(), vc.clone()
+        got = decode_attention_triton(qkv, k2, v2, slots, pos, slopes, 0.25, block_n=32, target_programs=target,
+                                      last_combines=last_combines, min_keys=min_keys, prefetch=prefetch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[got.device].any()  # the counters back at 0
+assert skinny_gemm._LOCKS  # the last splits combined in the kernel took the counters
+# the engine's timed launch choice: every candidate runs at a quarter and all of the keys; the least total wins
+from megatron.inference.decode import ATTENTION_LAUNCHES, choose_attention
+seconds = iter([5, 5, 4, 4, 3, 1, 1, 3.5, 2, 2.5])  # per call: (quarter, all) for each launch in order
+launch, times = choose_attention(2, 3, 16, 100, torch.float32, "cpu", slopes, 0.25, layers=1,
+                                 timer=lambda fn: (fn(), next(seconds))[1])
+assert launch == ATTENTION_LAUNCHES[2] == dict(block_n=16, warps=4), launch
+assert times == {"defaults": 10, "block_n 32": 8, "block_n 16, warps 4": 4, "block_n 16, warps 1": 4.5,
+                 "block_n 16, warps 1, target_programs 2048, min_keys 64": 4.5}, times
 print("kernel ok")
 """
 
 
 def test_split_plan():
     from megatron.inference.decode import split_plan
-    assert split_plan(4, 3, 150, 32, 12) == (160, 1)
-    assert split_plan(4, 3, 150, 32, 24) == (96, 2)
-    assert split_plan(4, 3, 150, 32, 256) == (32, 5)
-    assert split_plan(1, 16, 288, 64, 256) == (64, 5)  # the benchmark's batch 1: 5 splits of 64 keys
-    assert split_plan(8, 16, 288, 64, 256) == (192, 2)
-    assert split_plan(64, 16, 288, 64, 256) == (320, 1)
+    assert split_plan(4, 3, 150, 32, 12) == 1
+    assert split_plan(4, 3, 150, 32, 24) == 2
+    assert split_plan(4, 3, 150, 32, 256) == 5
+    assert split_plan(1, 16, 288, 64, 256) == 5  # the benchmark's batch 1: up to 5 splits of 64 keys
+    assert split_plan(8, 16, 288, 64, 256) == 2
+    assert split_plan(64, 16, 288, 64, 256) == 1
+    assert split_plan(64, 16, 288, 64, 4096) == 4
 
 
 def test_triton_kernel_equals_the_torch_attention_under_the_interpreter():

@@ -34,3 +34,21 @@ def test_tiny_cpu_run_reports_both_paths_equal_to_hf(tmp_path):
         assert row["sides"]["fused"]["rows_equal_to_unfused"] == row["batch"]
     params = 512 * 64 + 2 * 64 + 2 * (4 * 64 * 64 + 4 * 64 + 2 * 4 * 64 * 64 + 5 * 64 + 4 * 64) + 2 * 64
     assert report["weight_bytes"] == 4 * params
+
+
+def test_breakdown_splits_the_generate_wall_time(tmp_path):
+    """--breakdown: each path's generate() is prefill + its decode steps + host time, the steps counted exactly
+    (the prefill gives the first of --new-tokens tokens, one decode step each of the others, one sync)."""
+    out = tmp_path / "b.json"
+    generation_speed.main(["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "128", "--new-tokens", "6",
+                           "--batch-sizes", "1", "3", "--paths", "unfused", "fused", "--hf", "none", "--repeats", "1",
+                           "--breakdown", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert [(b["path"], b["batch"]) for b in report["breakdowns"]] == [("unfused", 1), ("fused", 1), ("unfused", 3),
+                                                                       ("fused", 3)]
+    for b in report["breakdowns"]:
+        assert b["decode_steps"] == 5 and b["syncs"] == 1, b
+        assert b["prefill_ms"] > 0 and b["decode_ms"] > 0 and b["host_ms"] >= 0, b
+        assert b["prefill_ms"] + b["decode_ms"] + b["host_ms"] == pytest.approx(b["wall_ms"])
+        assert b["tokens_per_s"] == pytest.approx(b["batch"] * 6 / b["wall_ms"] * 1e3)
+        assert b["decode_tokens_per_s"] == pytest.approx(b["batch"] * 5 / b["decode_ms"] * 1e3)
