@@ -106,7 +106,8 @@ def gemm_part(args, report, save):
 # triton 3.9, one split: 64 keys x 4 warps 197 registers a thread, 2 programs of 4 warps; 32 x 4: 106, 4; 16 x 4:
 # 72, 7; 16 x 1: 138, 14), so small programs, several splits of a long row at batch 64 (target 2048/4096: 2/4
 # programs per (row, head), each split min_keys keys at least) and the next block prefetched are timed too
-MORE_ATTENTION_CONFIGS = [dict(last_combines=False), dict(block_n=32, prefetch=True),
+MORE_ATTENTION_CONFIGS = [dict(last_combines=False), dict(block_n=32), dict(block_n=16, warps=4),
+                          dict(block_n=16, warps=1), dict(block_n=32, prefetch=True),
                           dict(block_n=16, warps=1, prefetch=True), dict(block_n=16, warps=2),
                           dict(block_n=16, warps=1, target_programs=2048, min_keys=64, prefetch=True),
                           dict(block_n=16, warps=1, target_programs=4096, min_keys=64),

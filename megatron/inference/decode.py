@@ -103,16 +103,18 @@ def triton_next_power_of_2(n):
     return 1 << (n - 1).bit_length()
 
 
-# decode_attention_triton's launches FusedDecoder.prepare times for gemm="auto" ({}: the defaults): small programs
-# hold fewer registers, so an SM runs more of them (sm_90: 64 keys x 4 warps 2 programs, 16 x 1 14; see
-# benchmarks/decode_gemm_sweep.py), and long rows of a large batch may split in two
-ATTENTION_LAUNCHES = ({}, dict(block_n=32), dict(block_n=16, warps=4), dict(block_n=16, warps=1),
-                      dict(block_n=16, warps=1, target_programs=2048, min_keys=64))
+# decode_attention_triton's launches FusedDecoder.prepare checks against the torch attention and times for
+# gemm="auto" ({}: the defaults). Smaller programs hold fewer registers, so an SM runs more of them (sm_90: 64 keys x
+# 4 warps 2 programs, 16 x 1 14), but the launches with 32 or 16 keys per iteration (block_n 32; 16 with 4 or 1
+# warps), exact under Triton's interpreter, disagreed with the torch attention on the H200 (max error 0.08,
+# 2026-12-04; prepare's check dropped them): they stay out until that is understood (choose_attention takes them
+# as `launches` for tests; benchmarks/decode_gemm_sweep.py times them).
+ATTENTION_LAUNCHES = ({},)
 
 
 def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, scale, timer=None, layers=2,
-                     budget=1 << 29):
-    """The fastest of ATTENTION_LAUNCHES for a batch bucket: each timed (timer(fn) -> seconds, default a CUDA
+                     budget=1 << 29, launches=ATTENTION_LAUNCHES):
+    """The fastest of `launches` for a batch bucket: each timed (timer(fn) -> seconds, default a CUDA
     graph) over `layers` scratch caches of `batch` rows (not the engine's cache, whose rows may be running; at batch
     64 one is larger than the H200's L2 cache, and at batch 1 the engine's layers fit in it too), every
     row at a quarter and at all of the keys, summed: about a generation's mean context. The scratch holds at most
@@ -137,7 +139,7 @@ def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, sca
     want = decode_attention_reference(qkv, k[0].clone(), v[0].clone(), slots, last, slopes, scale).float()
     tol = (1e-4 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
     times = {}
-    for launch in ATTENTION_LAUNCHES:
+    for launch in launches:
         name = ", ".join(f"{key} {value}" for key, value in launch.items()) or "defaults"
         try:  # a launch must agree with the torch attention before it is timed
             got = decode_attention_triton(qkv, k[0], v[0], slots, last, slopes, scale, **launch).float()

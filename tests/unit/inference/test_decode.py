@@ -123,11 +123,13 @@ for target, min_keys, prefetch in ((12, None, False), (24, None, True), (256, No
         assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[got.device].any()  # the counters back at 0
 assert skinny_gemm._LOCKS  # the last splits combined in the kernel took the counters
 # the engine's timed launch choice: every candidate runs at a quarter and all of the keys; the least total wins
-from megatron.inference.decode import ATTENTION_LAUNCHES, choose_attention
+from megatron.inference.decode import choose_attention
+launches = ({}, dict(block_n=32), dict(block_n=16, warps=4), dict(block_n=16, warps=1),
+            dict(block_n=16, warps=1, target_programs=2048, min_keys=64))
 seconds = iter([5, 5, 4, 4, 3, 1, 1, 3.5, 2, 2.5])  # per call: (quarter, all) for each launch in order
 launch, times = choose_attention(2, 3, 16, 100, torch.float32, "cpu", slopes, 0.25, layers=1,
-                                 timer=lambda fn: (fn(), next(seconds))[1])
-assert launch == ATTENTION_LAUNCHES[2] == dict(block_n=16, warps=4), launch
+                                 timer=lambda fn: (fn(), next(seconds))[1], launches=launches)
+assert launch == launches[2] == dict(block_n=16, warps=4), launch
 assert times == {"defaults": 10, "block_n 32": 8, "block_n 16, warps 4": 4, "block_n 16, warps 1": 4.5,
                  "block_n 16, warps 1, target_programs 2048, min_keys 64": 4.5}, times
 print("kernel ok")

@@ -53,8 +53,7 @@ def test_gemm_plans_compile_for_sm90(meta):
 
 
 # (keys per iteration, warps, prefetch, most splits, merged in the kernel): one split (batch 64), several merged
-# by the last split or by the combine kernel, the small and prefetching launches decode.ATTENTION_LAUNCHES and the
-# decode sweep time
+# by the last split or by the combine kernel, the small and prefetching launches the decode sweep times
 ATTENTION = [(64, 4, False, 1, False), (64, 4, False, 5, True), (64, 4, False, 5, False), (32, 4, True, 1, False),
              (64, 4, True, 4, True), (64, 8, True, 2, True), (128, 8, False, 1, False), (16, 1, False, 1, False),
              (16, 1, False, 2, True), (16, 4, False, 1, False), (16, 2, True, 4, True)]
