@@ -258,29 +258,29 @@ class InferenceEngine:
                 self._decode_step()
         if not admitted and steps <= 0:
             return None
-        round = self._read_back()
-        round.first = first
+        launched = self._read_back()
+        launched.first = first
         if timing:
-            round.start, round.previous_end = start, self._last_end
-            round.end = self._last_end = torch.cuda.Event(enable_timing=True)
-            round.end.record()
+            launched.start, launched.previous_end = start, self._last_end
+            launched.end = self._last_end = torch.cuda.Event(enable_timing=True)
+            launched.end.record()
         stats = self.stats
         stats["rounds"] += 1
         stats["prefill_rounds"] += bool(admitted)
         stats["admitted"] += len(admitted)
         stats["decode_steps"] += max(steps, 0)
         stats["launch_s"] += time.perf_counter() - begin
-        return round
+        return launched
 
     def first_tokens(self):
         """The first token of each request that the round in flight admitted, read as soon as its prefill is done
         (not after the round's decode steps): appends it to the request's output and returns those requests. A
         server streams them at once, so the time to first token does not include the round's decode steps."""
-        round = self._in_flight
-        if round is None or round.first is None:
+        launched = self._in_flight
+        if launched is None or launched.first is None:
             return []
-        requests, host, ready = round.first
-        round.first = None
+        requests, host, ready = launched.first
+        launched.first = None
         if ready is not None:
             begin = time.perf_counter()
             ready.synchronize()
@@ -291,6 +291,7 @@ class InferenceEngine:
                 request.output.append(token)
                 out.append(request)
         return out
+
     def _admit(self):
         """Takes waiting requests into free slots and prefills them; returns them."""
         admitted = []
@@ -561,16 +562,16 @@ class InferenceEngine:
         ready.record()
         return Round(rows, host, ready)
 
-    def _finish(self, round):
+    def _finish(self, launched):
         """The one host synchronisation of a round: waits for its copy, extends each of its rows' output, finishes
         and frees the done rows. Rows cancelled or finished since its launch are skipped."""
         begin = time.perf_counter()
-        if round.ready is not None:
-            round.ready.synchronize()
+        if launched.ready is not None:
+            launched.ready.synchronize()
         read = time.perf_counter()
-        values = round.host.tolist()
+        values = launched.host.tolist()
         finished = []
-        for request, slot, synced in round.rows:
+        for request, slot, synced in launched.rows:
             if request.finished:
                 continue
             count, done = values[slot][0], values[slot][1]
@@ -584,10 +585,10 @@ class InferenceEngine:
                 self._release(request)
                 finished.append(request)
         stats = self.stats
-        if round.end is not None:
-            stats["device_s"] += round.start.elapsed_time(round.end) / 1e3
-            if round.previous_end is not None:
-                stats["device_gap_s"] += round.previous_end.elapsed_time(round.start) / 1e3
+        if launched.end is not None:
+            stats["device_s"] += launched.start.elapsed_time(launched.end) / 1e3
+            if launched.previous_end is not None:
+                stats["device_gap_s"] += launched.previous_end.elapsed_time(launched.start) / 1e3
         stats["wait_s"] += read - begin
         stats["read_s"] += time.perf_counter() - read
         return finished
