@@ -7,6 +7,8 @@ at the same batch (tokens/s), with time to first token and per output token.
     python benchmarks/serving_speed.py --device cuda --tp 2                   # TP 2 over two GPUs (torchrun)
     python benchmarks/serving_speed.py --tiny                                 # a small fp32 model on the CPU
         [--clients 1 8 32 64 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
+        [--graph-step --compile-mode default --gemm auto]     # the engine's decode options (the tools' flags)
+        [--switch-interval 0.001]                             # the server process's GIL switch interval
 
 A child process builds the model and one InferenceEngine (max batch = the most clients, every decode graph captured
 at start-up as tools/run_text_generation_server.py does; --compile-mode, --graph-step and --gemm as the tool's),
@@ -63,6 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-sync", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="engine timings per batch (best counts)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the server")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval in the server process (default: Python's 0.005 s): how long the "
+                             "engine thread may wait for the GIL while the event loop holds it")
     parser.add_argument("--tp", type=int, default=1,
                         help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
                              "the CPU); the engine figures are then the TP engine's")
@@ -148,6 +153,8 @@ def child(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     state = setup_tensor_parallel(args.tp)
     tp = state.tensor_model_parallel_size
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" \
@@ -459,8 +466,10 @@ def describe(args, engine):
     model = f"--load {args.load}" if args.load else (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
                                                       f"vocab {args.vocab} (random weights)")
     print(f"model: {model}, {args.dtype}, {device_name(args)}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
-          f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync; "
-          f"{engine['graphs']} decode graphs captured at start-up in {engine['capture_s']:.1f} s", flush=True)
+          f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync, "
+          f"compile mode {args.compile_mode}, graph step {'on' if args.graph_step else 'off'}, {args.gemm} GEMMs, "
+          f"GIL switch interval {args.switch_interval or sys.getswitchinterval()} s; {engine['graphs']} decode "
+          f"graphs captured at start-up in {engine['capture_s']:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -74,11 +74,12 @@ class Request:
 
 @dataclass(eq=False)
 class Round:
-    """A launched round: its read-back of (count, done, new ids) per slot and each running row's first new id.
+    """A launched round: its read-back of (count, done, new ids) per slot, and of its admitted rows' first tokens.
     ready: a CUDA event after the copy (None on the CPU, where host is already filled)."""
     rows: list  # (request, slot, ids already covered) of every row running at launch
     host: torch.Tensor  # (max slot + 1, 2 + width)
     ready: object = None
+    first: tuple = None  # (admitted requests, their first tokens, a CUDA event after that copy or None)
     start: object = None  # CUDA timing events: before the round's first work,
     end: object = None  # after its copy,
     previous_end: object = None  # and after the round before, when the engine had work in between
@@ -249,6 +250,7 @@ class InferenceEngine:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         admitted = self._admit()
+        first = self._read_first(admitted) if admitted else None
         steps = 0
         if self.running:
             steps = min(num_steps, max(r.params.max_new_tokens - r._host_count for r in self.running.values()))
@@ -256,20 +258,42 @@ class InferenceEngine:
                 self._decode_step()
         if not admitted and steps <= 0:
             return None
-        round = self._read_back()
+        launched = self._read_back()
+        launched.first = first
         if timing:
-            round.start, round.previous_end = start, self._last_end
-            round.end = self._last_end = torch.cuda.Event(enable_timing=True)
-            round.end.record()
+            launched.start, launched.previous_end = start, self._last_end
+            launched.end = self._last_end = torch.cuda.Event(enable_timing=True)
+            launched.end.record()
         stats = self.stats
         stats["rounds"] += 1
         stats["prefill_rounds"] += bool(admitted)
-        stats["admitted"] += admitted
+        stats["admitted"] += len(admitted)
         stats["decode_steps"] += max(steps, 0)
         stats["launch_s"] += time.perf_counter() - begin
-        return round
+        return launched
+
+    def first_tokens(self):
+        """The first token of each request that the round in flight admitted, read as soon as its prefill is done
+        (not after the round's decode steps): appends it to the request's output and returns those requests. A
+        server streams them at once, so the time to first token does not include the round's decode steps."""
+        launched = self._in_flight
+        if launched is None or launched.first is None:
+            return []
+        requests, host, ready = launched.first
+        launched.first = None
+        if ready is not None:
+            begin = time.perf_counter()
+            ready.synchronize()
+            self.stats["wait_s"] += time.perf_counter() - begin
+        out = []
+        for request, token in zip(requests, host.tolist()):
+            if not request.finished and not request.output:
+                request.output.append(token)
+                out.append(request)
+        return out
+
     def _admit(self):
-        """Takes waiting requests into free slots and prefills them; returns how many."""
+        """Takes waiting requests into free slots and prefills them; returns them."""
         admitted = []
         while self.waiting and self._free:
             request = self.waiting.popleft()
@@ -280,7 +304,7 @@ class InferenceEngine:
             self._order_dirty = True
             admitted.append(request)
         if not admitted:
-            return 0
+            return []
         self._load_params(admitted)
         short = [r for r in admitted if len(r.prompt) <= self.prefill_chunk]
         for r in admitted:
@@ -294,7 +318,7 @@ class InferenceEngine:
             group.append(r)
         if group:
             self._prefill(group)
-        return len(admitted)
+        return admitted
 
     def _load_params(self, requests):
         """Writes the admitted rows' state with one host-to-device copy: slots and parameters packed into one
@@ -496,6 +520,19 @@ class InferenceEngine:
                     + ("" if kv_len is None else f", kv length {kv_len}"))
         return graph, logits
 
+    def _read_first(self, requests):
+        """Queues the copy of the admitted requests' first tokens (column 0 of their output), right after the
+        prefill: (requests, host tokens, CUDA event or None)."""
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
+        if self.device.type != "cuda":
+            return requests, self.out[slots, 0], None
+        device = self.out[slots.pin_memory().to(self.device, non_blocking=True), 0]
+        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+        host.copy_(device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return requests, host, ready
+
     def _read_back(self):
         """Queues the round's one device-to-host copy: each running row's count, done flag and only the ids it
         produced since the last read-back (one (rows, 2 + new) copy into pinned memory on CUDA, not waited for;
@@ -525,32 +562,33 @@ class InferenceEngine:
         ready.record()
         return Round(rows, host, ready)
 
-    def _finish(self, round):
+    def _finish(self, launched):
         """The one host synchronisation of a round: waits for its copy, extends each of its rows' output, finishes
         and frees the done rows. Rows cancelled or finished since its launch are skipped."""
         begin = time.perf_counter()
-        if round.ready is not None:
-            round.ready.synchronize()
+        if launched.ready is not None:
+            launched.ready.synchronize()
         read = time.perf_counter()
-        values = round.host.tolist()
+        values = launched.host.tolist()
         finished = []
-        for request, slot, synced in round.rows:
+        for request, slot, synced in launched.rows:
             if request.finished:
                 continue
             count, done = values[slot][0], values[slot][1]
-            assert len(request.output) == synced, (len(request.output), synced)
-            if count > synced:
-                request.output.extend(values[slot][2:2 + count - synced])
+            early = len(request.output) - synced  # the first token, when first_tokens() read it
+            assert early in (0, 1), (len(request.output), synced)
+            if count > synced + early:
+                request.output.extend(values[slot][2 + early:2 + count - synced])
             if done:
                 request.finish_reason = "stop" if request.output and request.output[-1] == self.eod_id \
                     else "length"
                 self._release(request)
                 finished.append(request)
         stats = self.stats
-        if round.end is not None:
-            stats["device_s"] += round.start.elapsed_time(round.end) / 1e3
-            if round.previous_end is not None:
-                stats["device_gap_s"] += round.previous_end.elapsed_time(round.start) / 1e3
+        if launched.end is not None:
+            stats["device_s"] += launched.start.elapsed_time(launched.end) / 1e3
+            if launched.previous_end is not None:
+                stats["device_gap_s"] += launched.previous_end.elapsed_time(launched.start) / 1e3
         stats["wait_s"] += read - begin
         stats["read_s"] += time.perf_counter() - read
         return finished

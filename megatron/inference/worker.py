@@ -7,8 +7,9 @@ decode steps, with no round of its own), runs step(steps_per_sync, overlap=True)
 (only those: the host work per token does not grow with the row's length) back to the loop with
 call_soon_threadsafe, one call per round. With overlap the engine launches round k+1 before it reads round k, so
 the device is never idle while this thread publishes round k and the loop turns its ids into text (both hold the
-GIL). A Job (on the loop) turns those ids into text deltas, applies stop strings and queues events for its HTTP
-handler.
+GIL). The rows that round k+1 admitted get their first token as soon as its prefill is done (engine.first_tokens),
+not after its decode steps. A Job (on the loop) turns those ids into text deltas, applies stop strings and queues
+events for its HTTP handler.
 
 Instrumentation (GET /health): `stats` has the engine's per-round counters under "rounds" (rounds, prefill rounds,
 rows admitted, decode steps, the engine thread's seconds launching, waiting for the device and reading results,
@@ -286,6 +287,15 @@ class EngineWorker:
         self.healthy = True
         self.stats["steps"] += 1
         self.stats["peak_running"] = max(self.stats["peak_running"], batch)
+        self._publish(active)  # the round before's ids
+        begin = time.perf_counter()
+        first = engine.first_tokens()  # the new rows' first tokens, once the round in flight has prefilled them
+        self._step_s += time.perf_counter() - begin
+        if first:
+            self._publish(active)
+
+    def _publish(self, active):
+        """Posts each row's ids since its last update (and its end) to the loop, in one call."""
         updates = []
         for row, request in list(active.items()):
             count = len(request.output)

@@ -74,3 +74,25 @@ def test_no_recompilation_after_warm_up_across_lengths():
     with torch.no_grad():
         ours(ids)
     assert dict(counters["stats"]) == before
+
+
+@pytest.mark.parametrize("graph_step", [False, True])
+def test_overlapped_rounds_equal_synchronous_ones_on_the_device(graph_step):
+    """step(overlap=True) (pinned non-blocking read-backs, CUDA events, one round in flight) and first_tokens()
+    give the synchronous step loop's tokens, greedy and sampled, with rows joining as slots free; the round
+    counters time the device."""
+    ours = model()
+    ps = prompts(8, seed=3)
+    for params in (SamplingParams(greedy=True, max_new_tokens=40),
+                   SamplingParams(temperature=0.9, top_k=50, max_new_tokens=33)):
+        outputs = []
+        for overlap in (False, True):
+            eng = InferenceEngine(ours, max_batch_size=4, max_seq_len=128, graph_step=graph_step)
+            requests = [eng.add_request(p, params, seed=i) for i, p in enumerate(ps)]
+            while eng.has_work():
+                eng.step(8, overlap=overlap)
+                for request in eng.first_tokens():
+                    assert len(request.output) == 1
+            outputs.append([r.output for r in requests])
+        assert outputs[0] == outputs[1]
+        assert eng.stats["prefill_rounds"] >= 2 and eng.stats["admitted"] == 8 and eng.stats["device_s"] > 0

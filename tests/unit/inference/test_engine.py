@@ -164,3 +164,35 @@ def test_gumbel_sampling_follows_the_distribution():
     expected = torch.softmax(logits[0] / 0.5, dim=0)
     share = torch.bincount(tokens, minlength=3).float() / n
     assert torch.allclose(share, expected, atol=0.02), (share, expected)
+
+
+def test_overlapped_rounds_and_early_first_tokens_give_the_solo_outputs(pair):
+    """step(overlap=True) reads round k after launching round k+1, first_tokens() hands the rows round k+1 admitted
+    their first token before it is read; rows that join, finish mid-round or are cancelled meanwhile keep their
+    solo outputs."""
+    eng = engine(pair[1], max_batch_size=3)
+    long, short = SamplingParams(greedy=True, max_new_tokens=9), SamplingParams(greedy=True, max_new_tokens=6)
+    prompts, params = [[5, 9, 3], [7, 1], [11, 12, 13, 14], [4, 4]], [long, short, long, long]
+    solo = []
+    for p, par in zip(prompts, params):
+        request = eng.add_request(p, par)
+        while eng.has_work():
+            eng.step(1)
+        solo.append(request.output)
+    first = [eng.add_request(p, par) for p, par in zip(prompts[:2], params[:2])]
+    assert eng.step(4, overlap=True) == []  # round 1 (both prefilled, 4 steps) in flight
+    assert eng.first_tokens() == first and [r.output for r in first] == [s[:1] for s in solo[:2]]
+    assert eng.first_tokens() == []
+    third = eng.add_request(prompts[2], params[2])
+    assert eng.step(4, overlap=True) == []  # round 2 in flight, round 1 read
+    assert [len(r.output) for r in first + [third]] == [5, 5, 0]
+    assert eng.first_tokens() == [third]
+    fourth = eng.add_request(prompts[3], params[3])  # no free slot until the cancel
+    eng.cancel(first[0])
+    assert eng.step(4, overlap=True) == [first[1]]  # round 3 admits the fourth; round 2 finished the short row
+    while eng.has_work():
+        eng.step(4, overlap=True)
+        eng.first_tokens()
+    assert first[0].finish_reason == "cancelled" and first[0].output == solo[0][:5]
+    assert [r.output for r in (first[1], third, fourth)] == [solo[1], solo[2], solo[3]]
+    assert eng.stats["prefill_rounds"] == 4 + 3 and not eng.running and eng._in_flight is None
