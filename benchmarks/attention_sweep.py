@@ -49,6 +49,16 @@ def elapsed_ms(fn, iters):
     return start.elapsed_time(end) / iters
 
 
+def forward_and_backward_ms(run, grad, inputs, iters):
+    """(forward ms under no_grad, forward + backward ms) of run(), the inputs' gradients cleared after."""
+    with torch.no_grad():
+        forward = elapsed_ms(run, iters)
+    both = elapsed_ms(lambda: run().backward(grad), iters)
+    for t in inputs:
+        t.grad = None
+    return forward, both
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=4)
@@ -97,14 +107,7 @@ def main(argv=None):
         grads = [t.grad.clone() for t in (q, k, v)]
         for t in (q, k, v):
             t.grad = None
-        with torch.no_grad():
-            fwd = elapsed_ms(run, args.iters)
-
-        def both():
-            run().backward(grad)
-        both_ms = elapsed_ms(both, args.iters)
-        for t in (q, k, v):
-            t.grad = None
+        fwd, both_ms = forward_and_backward_ms(run, grad, (q, k, v), args.iters)
         row = {"name": name, "options": options, "forward_ms": fwd, "backward_ms": both_ms - fwd,
                "total_ms": both_ms, "compile_s": compile_s}
         nonlocal reference
@@ -124,14 +127,7 @@ def main(argv=None):
     def sdpa_floor():
         def run():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        with torch.no_grad():
-            fwd = elapsed_ms(run, args.iters)
-
-        def both():
-            run().backward(grad)
-        both_ms = elapsed_ms(both, args.iters)
-        for t in (q, k, v):
-            t.grad = None
+        fwd, both_ms = forward_and_backward_ms(run, grad, (q, k, v), args.iters)
         results.append({"name": "sdpa causal, no ALiBi (floor)", "forward_ms": fwd, "backward_ms": both_ms - fwd,
                         "total_ms": both_ms})
         print(f"{'sdpa causal, no ALiBi (floor)':34s} fwd {fwd:6.3f}  bwd {both_ms - fwd:6.3f}  total {both_ms:6.3f} ms")
