@@ -10,6 +10,7 @@ resumes onto PP 1 (the stage holds every tensor).
 import glob
 import json
 import os
+import re
 
 import torch
 
@@ -38,8 +39,9 @@ def share_bytes(folder, tp, dp, zero):
     return weights + (state / dp if zero else state)
 
 
-def assert_reads_within_share(reads_dir, folder, tp, dp, zero):
-    """Every rank's reported bytes within [LEAST, MOST] x its share; returns ({rank: bytes}, share)."""
+def assert_reads_within_share(reads_dir, folder, tp, dp, zero, log=None):
+    """Every rank's reported bytes within [LEAST, MOST] x its share; log (the run's output): the figure its resume
+    line prints, "at most B GB read by one rank", is the largest report. Returns ({rank: bytes}, share)."""
     share = share_bytes(str(folder), tp, dp, zero)
     reports = [json.load(open(path)) for path in sorted(glob.glob(os.path.join(reads_dir, "reads_rank*.json")))]
     assert sorted(r["rank"] for r in reports) == list(range(tp * dp)), reports
@@ -47,4 +49,7 @@ def assert_reads_within_share(reads_dir, folder, tp, dp, zero):
     for report in reports:
         assert os.path.normpath(report["folder"]) == os.path.normpath(folder), report
         assert LEAST * share <= report["bytes"] <= MOST * share, (report, share, got)
+    if log is not None:
+        printed = re.findall(r"at most ([0-9.]+) GB read by one rank", log)
+        assert printed == [f"{max(got.values()) / 1e9:.3f}"], (printed, got)
     return got, share

@@ -110,7 +110,7 @@ def test_tp2_dp2_resumed_on_tp1_dp4_reads_only_its_share(source, layout_resumed_
                         extra_env={"MEGATRON_TEST_COUNT_READS": str(tmp_path / "reads")})
     assert ("resuming on another layout: the checkpoint was trained on TP 2, PP 1, DP 2, ZeRO 2, fp32, this run "
             "is TP 1, PP 1, DP 4, ZeRO 1, fp32") in proc.stderr
-    assert_reads_within_share(tmp_path / "reads", folder, tp=1, dp=4, zero=1)
+    assert_reads_within_share(tmp_path / "reads", folder, tp=1, dp=4, zero=1, log=proc.stderr)
     assert_continues(source / "metrics.jsonl", tmp_path / "metrics.jsonl", LOSS_TOLERANCE, first=16)
 
 

@@ -224,10 +224,10 @@ def test_dp2_zero1_resume_after_exit_interval_equals_uninterrupted(tmp_path, sam
     assert json.loads((folder / "meta.json").read_text())["consumed_samples"] == 80
     assert sorted(p.name for p in folder.glob("optimizer_*.pt")) == ["optimizer_tp00_pp000_dp00000.pt",
                                                                      "optimizer_tp00_pp000_dp00001.pt"]
-    run_pretrain(args(sample_data, resumed, *layout, "--save", save, "--load", save), 2,
-                 extra_env={"MEGATRON_TEST_COUNT_READS": str(tmp_path / "reads")})
+    second = run_pretrain(args(sample_data, resumed, *layout, "--save", save, "--load", save), 2,
+                          extra_env={"MEGATRON_TEST_COUNT_READS": str(tmp_path / "reads")})
     # each rank read the weights and its half of the optimizer state, no more (tests/checkpoint_reads.py)
-    assert_reads_within_share(tmp_path / "reads", folder, tp=1, dp=2, zero=1)
+    assert_reads_within_share(tmp_path / "reads", folder, tp=1, dp=2, zero=1, log=second.stderr)
     got = read_losses(resumed / "metrics.jsonl")  # the same file: iterations 1-10, then 11-20 after resume
     assert sorted(got) == list(range(1, 21))
     for iteration in range(1, 21):
