@@ -75,6 +75,9 @@ def parse_args(argv=None):
                    help="after timing, profile one more step and print GPU time by category")
     p.add_argument("--profile-top", type=int, default=15, metavar="N",
                    help="with --profile, also print the N kernels with the most GPU time")
+    p.add_argument("--gaps", action="store_true",
+                   help="after timing (CUDA), trace one more step and say where the GPU sat idle (each gap > 10 us "
+                        "by the Python frames the host was in, and the synchronizing calls with their callers)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -123,6 +126,70 @@ def _profile(step, device, top):
 
 PROFILE = {}
 TOP_KERNELS = []
+GAPS = {}
+GAP_US = 10  # a kernel-free interval longer than this counts as idle
+
+
+def _own_frames(names, depth=3):
+    """The innermost `depth` frames of this repo or DeepSpeed in a list of Python frame names (innermost first)."""
+    keep = [n for n in names if ("megatron" in n or "deepspeed" in n or "benchmark" in n or "pretrain" in n)
+            and "torch/" not in n]
+    return " < ".join(keep[:depth]) or (names[0] if names else "?")
+
+
+def _idle_gaps(step, device, top=20):
+    """Traces one step (CPU + CUDA, Python stacks) and attributes the device's idle time: each interval with no
+    kernel, copy or memset running that is longer than GAP_US, grouped by the Python frames the host thread was in
+    when the interval began. Then runs one more step under torch.cuda.set_sync_debug_mode("warn") and groups the
+    synchronizing calls by their caller. Returns {"idle_ms", "gaps", "by_frames": [[ms, count, frames]],
+    "syncs": [[count, caller]]}."""
+    import tempfile
+    import traceback
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    device_ops = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    frames = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                    if e.get("ph") == "X" and e.get("cat") == "python_function")
+    groups, idle, count, end = {}, 0.0, 0, device_ops[0][1] if device_ops else 0
+    for begin, finish in device_ops[1:]:
+        if begin - end > GAP_US:
+            inside = sorted((f for f in frames if f[0] <= end <= f[1]), key=lambda f: f[1] - f[0])
+            key = _own_frames([f[2] for f in inside])
+            ms, n = groups.get(key, (0.0, 0))
+            groups[key] = (ms + (begin - end) / 1000, n + 1)
+            idle += (begin - end) / 1000
+            count += 1
+        end = max(end, finish)
+    syncs = {}
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            names = [f"{fr.filename}({fr.lineno}): {fr.name}" for fr in reversed(traceback.extract_stack()[:-1])]
+            key = _own_frames(names)
+            syncs[key] = syncs.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(device)
+    by_frames = sorted(([ms, n, key] for key, (ms, n) in groups.items()), reverse=True)[:top]
+    return {"idle_ms": idle, "gaps": count, "by_frames": by_frames,
+            "syncs": sorted(([n, key] for key, n in syncs.items()), reverse=True)[:top]}
 PROFILE_WALL_MS = []
 
 
@@ -142,6 +209,8 @@ def _timed(step, args, device):
         by_category, top = _profile(step, device, args.profile_top)
         PROFILE.update(by_category)
         TOP_KERNELS.extend(top)
+    if args.gaps and device.type == "cuda":
+        GAPS.update(_idle_gaps(step, device))
     return seconds
 
 
@@ -181,7 +250,7 @@ def run_ours(args, shape):
     state = initialize_distributed(config.parallel)
     set_random_seeds(config.model.seed, state)
     engine, _ = setup_engine(config, ds_config, state)
-    total = (args.iters + args.warmup_iters + int(args.profile)) * global_batch
+    total = (args.iters + args.warmup_iters + int(args.profile) + 2 * int(args.gaps)) * global_batch
     loader = build_pretraining_data_loader(MockGPTDataset(total, shape["seq_length"], shape["vocab_size"]), 0,
                                            args.micro_batch_size, 0, 1, num_workers=2 if torch.cuda.is_available()
                                            else 0)
@@ -248,7 +317,7 @@ def measure(args):
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "seconds_per_iteration": seconds, "tokens_per_second": tokens / seconds, "model_tflops": tflops,
             "gemm_tflops": gemm, "mfu": tflops / gemm, "peak_memory_gib": peak_mem, "losses": losses,
-            "profile_ms": dict(PROFILE), "top_kernels": list(TOP_KERNELS)}
+            "profile_ms": dict(PROFILE), "top_kernels": list(TOP_KERNELS), "gaps": dict(GAPS)}
 
 
 def plan_sides(args):
@@ -324,6 +393,16 @@ def main(argv=None):
                 f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in r["profile_ms"].items()))
             for ms, calls, name in r.get("top_kernels", []):
                 print(f"  {ms:8.1f} ms {calls:5d}x [{categorize(name)}] {name}")
+    for side, r in results.items():
+        gaps = r.get("gaps")
+        if gaps:
+            print(f"{side} idle intervals > {GAP_US} us in one traced step: {gaps['gaps']}, {gaps['idle_ms']:.1f} ms; "
+                  "by the host's frames when each began:")
+            for ms, n, key in gaps["by_frames"]:
+                print(f"  {ms:8.2f} ms {n:5d}x {key}")
+            print(f"{side} synchronizing calls in one step, by caller:")
+            for n, key in gaps["syncs"]:
+                print(f"  {n:5d}x {key}")
     for ref in ("hf", "hf-compile"):
         if "ours" in results and ref in results:
             ours, other = results["ours"], results[ref]

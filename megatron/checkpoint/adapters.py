@@ -25,15 +25,8 @@ The interface (Adapter), all the rest of megatron/checkpoint uses:
 plus step(), scaler() (the fp16 loss scaler's object) and refresh_master(). What each adapter reads of DeepSpeed
 is named in its docstring; nothing else in megatron/checkpoint reads DeepSpeed's optimizer internals.
 
-The unfused wrapper measures the gradient norm on gradients stripped of their parameters' parallel attributes, so
-it misses TP ranks' slices and counts the pipeline's tied embedding twice (measured: bf16 TP 2 reported 0.564
-where one process reports 0.572; fp16 PP 2 1.083 where the true norm is 0.769): UnfusedAdapter.install gives it
-gradients that carry them (tests/integration/test_training_parity.py).
-
-DeepSpeed's engine.backward scales the loss by the fp16 loss scale for ZeRO's optimizers only, while the unfused
-wrapper's step divides the gradients by that scale: in fp16 without ZeRO its gradients reached Adam divided by the
-loss scale and clipping never acted. UnfusedAdapter.install scales the loss for it too (fp16 only; bf16 has no loss
-scale), so that fp16 ZeRO 0 steps as ZeRO 1-3 do (tests/unit/test_checkpointing.py).
+The unfused wrapper's gradient norm, fp16 loss scaling and host synchronizations are changed by
+UnfusedAdapter.install (megatron/optimizer/unfused.py says what and why).
 
 Tested with DeepSpeed 0.19.8 (requirements.txt pins the range; tests/unit/test_checkpointing.py round-trips
 every adapter through real engines).
@@ -43,10 +36,11 @@ import logging
 
 import torch
 
+from megatron.optimizer.unfused import TESTED_DEEPSPEED
+
 logger = logging.getLogger(__name__)
 
 KEYS = ("exp_avg", "exp_avg_sq")  # Adam's per-element state, what checkpoints carry besides the fp32 master
-TESTED_DEEPSPEED = ">=0.19.8,<0.20"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,20 +162,10 @@ class UnfusedAdapter(Adapter):
 
     @classmethod
     def install(cls):
-        """Makes FP16_UnfusedOptimizer measure (and clip by) the true gradient norm: the gradients its step hands
-        to get_weight_norm carry their parameters' parallel attributes, so a TP-partitioned gradient counts on
-        every TP rank, a replicated one on TP rank 0 only, the pipeline's tied embedding on its owning stage only;
-        and in fp16 has the engine scale the loss for it (_scale_the_loss_for_unfused_fp16). Each change is
-        installed once."""
-        from deepspeed.runtime.fp16 import unfused_optimizer
-        name = "split_params_grads_into_shared_and_expert_params"
-        if getattr(unfused_optimizer, name, None) is not _grads_with_parallel_attributes:
-            if not hasattr(unfused_optimizer, name):
-                raise RuntimeError(f"deepspeed.runtime.fp16.unfused_optimizer has no {name} in this DeepSpeed "
-                                   f"version: install deepspeed{TESTED_DEEPSPEED} (requirements.txt), or update "
-                                   "megatron/checkpoint/adapters.py")
-            setattr(unfused_optimizer, name, _grads_with_parallel_attributes)
-        _scale_the_loss_for_unfused_fp16()
+        """The changes megatron/optimizer/unfused.py makes to FP16_UnfusedOptimizer (its true gradient norm, its loss
+        scaling in fp16, one host sync per step), each installed once."""
+        from megatron.optimizer import unfused
+        unfused.install()
 
     def _masters(self):
         return {id(p): master for low, high in zip(self.optimizer.fp16_groups, self.optimizer.fp32_groups)
@@ -200,62 +184,6 @@ class UnfusedAdapter(Adapter):
 
     def scaler(self):
         return self.optimizer.loss_scale_config
-
-
-def _scale_the_loss_for_unfused_fp16():
-    """DeepSpeed 0.19.8's engine.backward multiplies the loss by the loss scale for ZeRO's optimizers only, while
-    FP16_UnfusedOptimizer.step divides the gradients by it: in fp16 its gradients reached Adam divided by the loss
-    scale, and clipping (which compares the norm divided by the scale with --clip-grad) never acted. This wraps
-    DeepSpeedEngine.backward to scale the loss for that wrapper in fp16 as the wrapper's own backward does (the
-    gradients Adam gets are then the true ones, and small ones survive fp16), returning the loss it would have
-    returned; and FP16_UnfusedOptimizer.step to report the gradient norm divided by the scale, as ZeRO's
-    optimizers do. bf16 (no loss scale), a custom loss scaler and fused LAMB are left as DeepSpeed has them."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    if getattr(DeepSpeedEngine.backward, "scales_unfused_fp16", False):
-        return
-    backward, step = DeepSpeedEngine.backward, FP16_UnfusedOptimizer.step
-
-    def scaling(optimizer):
-        return isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling and \
-            not optimizer.custom_loss_scaler and not optimizer.fused_lamb_legacy
-
-    def scaled_backward(self, loss, *args, **kwargs):
-        if not scaling(self.optimizer):
-            return backward(self, loss, *args, **kwargs)
-        scale = self.optimizer.loss_scale_config.cur_scale
-        return backward(self, loss.float() * scale, *args, **kwargs) / scale
-
-    def unscaled_norm_step(self, *args, **kwargs):
-        scale = self.loss_scale_config.cur_scale  # the scale of this step's gradients (the step may change it)
-        overflow = step(self, *args, **kwargs)
-        if scaling(self) and not overflow:
-            self._global_grad_norm = self._global_grad_norm / scale
-        return overflow
-
-    scaled_backward.scales_unfused_fp16 = True
-    DeepSpeedEngine.backward = scaled_backward
-    FP16_UnfusedOptimizer.step = unscaled_norm_step
-
-
-# The attributes DeepSpeed's get_weight_norm and is_moe_param read from the gradients they are given.
-_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "model_parallel", "ds_pipe_replicated", "allreduce")
-
-
-def _grads_with_parallel_attributes(group):
-    """(shared, expert) gradients of `group`'s parameters in the parameters' dtype, each carrying its parameter's
-    parallel attributes: DeepSpeed's split_params_grads_into_shared_and_expert_params with the attributes kept."""
-    from deepspeed.moe.utils import is_moe_param
-    shared, expert = [], []
-    for param in group:
-        if param.grad is None:
-            continue
-        grad = param.grad.to(param.dtype)
-        for name in _PARALLEL_ATTRIBUTES:
-            if hasattr(param, name):
-                setattr(grad, name, getattr(param, name))
-        (expert if is_moe_param(param) else shared).append(grad)
-    return shared, expert
 
 
 class FlatAdapter(Adapter):

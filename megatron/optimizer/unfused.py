@@ -1,0 +1,130 @@
+"""What we change in DeepSpeed's FP16_UnfusedOptimizer, the wrapper of bf16 and fp16 runs without ZeRO (the
+document's run): its gradient norm, its loss scaling and the host synchronizations of its step.
+
+- The norm: the wrapper measures the gradient norm on gradients stripped of their parameters' parallel attributes,
+  so it misses TP ranks' slices and counts the pipeline's tied embedding twice (measured: bf16 TP 2 reported 0.564
+  where one process reports 0.572; fp16 PP 2 1.083 where the true norm is 0.769). Its step gets gradients that
+  carry them (tests/integration/test_training_parity.py).
+- The loss scale: DeepSpeed 0.19.8's engine.backward scales the loss by the fp16 loss scale for ZeRO's optimizers
+  only, while this wrapper's step divides the gradients by that scale: in fp16 its gradients reached Adam divided
+  by the loss scale and clipping never acted. The engine scales the loss for it too (fp16 only; bf16 has no loss
+  scale), so that fp16 ZeRO 0 steps as ZeRO 1-3 do (tests/unit/test_checkpointing.py).
+- The synchronizations: the step tested each gradient for inf/NaN with a host synchronization per parameter (293
+  for the document's model), then measured the norm with three kernels per parameter and two more syncs: the
+  device sat idle ~120 ms of a 1.4 s step on an H200 (tools/benchmark_training.py --gaps). The norm is now one
+  multi-tensor reduction and one sync, and it is the overflow test: a gradient with an inf or a NaN makes the norm
+  non-finite, which the step already treats as an overflow (the same skip, the same loss-scale update, on every
+  rank: the norm is summed over the model-parallel group as the test was). The unscale of the fp32 gradients is one
+  multi-tensor multiply, and none when the scale is 1 (bf16 without clipping).
+
+install() applies each change once; tested with DeepSpeed 0.19.8 (requirements.txt pins the range).
+"""
+import math
+
+import torch
+
+TESTED_DEEPSPEED = ">=0.19.8,<0.20"
+
+# The attributes DeepSpeed's get_weight_norm and is_moe_param read from the gradients they are given.
+_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "model_parallel", "ds_pipe_replicated", "allreduce")
+
+
+def install():
+    from deepspeed.runtime.fp16 import unfused_optimizer
+    for name, ours in (("split_params_grads_into_shared_and_expert_params", grads_with_parallel_attributes),
+                       ("get_weight_norm", gradient_norm)):
+        if getattr(unfused_optimizer, name, None) is not ours:
+            if not hasattr(unfused_optimizer, name):
+                raise RuntimeError(f"deepspeed.runtime.fp16.unfused_optimizer has no {name} in this DeepSpeed "
+                                   f"version: install deepspeed{TESTED_DEEPSPEED} (requirements.txt), or update "
+                                   "megatron/optimizer/unfused.py")
+            setattr(unfused_optimizer, name, ours)
+    _patch_step()
+
+
+def grads_with_parallel_attributes(group):
+    """(shared, expert) gradients of `group`'s parameters in the parameters' dtype, each carrying its parameter's
+    parallel attributes: DeepSpeed's split_params_grads_into_shared_and_expert_params with the attributes kept."""
+    from deepspeed.moe.utils import is_moe_param
+    shared, expert = [], []
+    for param in group:
+        if param.grad is None:
+            continue
+        grad = param.grad.to(param.dtype)
+        for name in _PARALLEL_ATTRIBUTES:
+            if hasattr(param, name):
+                setattr(grad, name, getattr(param, name))
+        (expert if is_moe_param(param) else shared).append(grad)
+    return shared, expert
+
+
+def gradient_norm(grads, norm_type=2, mpu=None):
+    """DeepSpeed's get_weight_norm (the 2-norm of `grads` over the model-parallel group, -1 when not finite; a
+    replicated gradient counts on TP rank 0 only, the pipeline's replicated copy not at all) with one
+    multi-tensor reduction and one host synchronization instead of three kernels per gradient and two syncs."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank, get_weight_norm, is_model_parallel_parameter
+
+    if norm_type != 2 or isinstance(grads, torch.Tensor):
+        return get_weight_norm(grads, norm_type, mpu)
+    tp_rank = bwc_tensor_model_parallel_rank(mpu=mpu)
+    kept = [g for g in grads if not getattr(g, "ds_pipe_replicated", False)
+            and (tp_rank == 0 or is_model_parallel_parameter(g))]
+    if kept:
+        total = torch.stack(torch._foreach_norm(kept, 2, dtype=torch.float32)).square().sum()
+    else:
+        from deepspeed.accelerator import get_accelerator
+        total = torch.zeros((), dtype=torch.float32, device=get_accelerator().current_device_name())
+    if mpu is not None:
+        total = total.reshape(1)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    norm = total.item() ** 0.5
+    return norm if math.isfinite(norm) else -1
+
+
+def _patch_step():
+    """FP16_UnfusedOptimizer.step: the engine scales the loss for it in fp16; the reported norm is the unscaled
+    one, as ZeRO's optimizers report it; the per-parameter overflow test is left to the norm (module docstring);
+    the unscale is one multi-tensor multiply."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    if getattr(DeepSpeedEngine.backward, "scales_unfused_fp16", False):
+        return
+    backward, step, unscale = (DeepSpeedEngine.backward, FP16_UnfusedOptimizer.step,
+                               FP16_UnfusedOptimizer.unscale_and_clip_grads)
+
+    def scaling(optimizer):
+        return isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling and \
+            not optimizer.custom_loss_scaler and not optimizer.fused_lamb_legacy
+
+    def scaled_backward(self, loss, *args, **kwargs):
+        if not scaling(self.optimizer):
+            return backward(self, loss, *args, **kwargs)
+        scale = self.optimizer.loss_scale_config.cur_scale
+        return backward(self, loss.float() * scale, *args, **kwargs) / scale
+
+    def unscaled_norm_step(self, *args, **kwargs):
+        if not self.fused_lamb_legacy:  # its norm tests for overflow (the step skips on a non-finite norm)
+            self.overflow_checker.check = _no_overflow
+        scale = self.loss_scale_config.cur_scale  # the scale of this step's gradients (the step may change it)
+        overflow = step(self, *args, **kwargs)
+        if scaling(self) and not overflow:
+            self._global_grad_norm = self._global_grad_norm / scale
+        return overflow
+
+    def multi_tensor_unscale(self, total_norm, apply_scale=True):
+        combined_scale = unscale(self, total_norm, apply_scale=False)
+        if apply_scale and combined_scale != 1.0:
+            grads = [p.grad for group in self.fp32_groups for p in group if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / combined_scale)
+        return combined_scale
+
+    scaled_backward.scales_unfused_fp16 = True
+    DeepSpeedEngine.backward = scaled_backward
+    FP16_UnfusedOptimizer.step = unscaled_norm_step
+    FP16_UnfusedOptimizer.unscale_and_clip_grads = multi_tensor_unscale
+
+
+def _no_overflow(param_groups=None):
+    return False
