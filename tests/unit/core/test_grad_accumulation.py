@@ -1,0 +1,174 @@
+"""Gradient accumulation fusion (megatron/core/tensor_parallel/grad_accumulation.py) on CPU in fp32: the gradients
+after several micro batches equal autograd's, at TP 1 and on TP 2 slices, with activation checkpointing and loss
+chunking; no add kernel sums the fused weights' gradients; a parameter with a gradient hook (what DeepSpeed's
+ZeRO and BF16_Optimizer register) is left to autograd; and whole DeepSpeed training steps give the same weights
+with and without the fusion, on the wrappers it serves and on one it must leave alone.
+
+Exactness: after one micro batch every gradient equals autograd's bit for bit (the same GEMMs, the same embedding
+backward), except the tied word embedding: its rows are added into a .grad that already holds the LM head's
+gradient, where autograd adds their dense gradient to it. Each later micro batch rounds once inside the GEMM with
+beta = 1, where autograd rounds dW and then the sum: equal to fp32 rounding (1e-6 relative), not bit for bit.
+"""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.config import ModelConfig
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.model import BloomModel
+from tests.distributed import run_distributed
+from tests.unit.core.test_tensor_parallel import gather_full
+
+CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+                     attention_impl="torch")
+TIED = "embedding.word_embeddings.weight"
+
+
+def accumulate(model, micro_batches=3, seed=0):
+    """{name: .grad} after `micro_batches` forward/backward passes of the mean per-token loss."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(micro_batches):
+        ids = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length + 1), generator=generator)
+        model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_gradients(fused, unfused, exact=False):
+    assert fused.keys() == unfused.keys()
+    for name in fused:
+        if exact and name != TIED:
+            assert torch.equal(fused[name], unfused[name]), name
+        else:
+            torch.testing.assert_close(fused[name], unfused[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def model(fuse, **fields):
+    return BloomModel(dataclasses.replace(CONFIG, gradient_accumulation_fusion=fuse, **fields))
+
+
+@pytest.mark.parametrize("fields", [{}, {"checkpoint_activations": True}, {"loss_chunk_size": 8}],
+                         ids=["plain", "checkpointed", "loss-chunks"])
+def test_fused_gradients_equal_autograds_after_several_micro_batches(fields):
+    assert CONFIG.gradient_accumulation_fusion  # on by default
+    for micro_batches in (1, 3):
+        assert_same_gradients(accumulate(model(True, **fields), micro_batches),
+                              accumulate(model(False, **fields), micro_batches), exact=micro_batches == 1)
+
+
+def op_counts(net):
+    ops = ("aten::add", "aten::add_", "aten::addmm_", "aten::index_put_")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        accumulate(net, micro_batches=2)
+    return {e.key: e.count for e in prof.key_averages() if e.key in ops}
+
+
+def test_fused_weights_are_summed_by_their_gemm_not_by_an_add():
+    """Two micro batches. Unfused, the second one's AccumulateGrad adds into each of the 9 weights (8 linear, the
+    word embedding) and autograd sums the tied embedding's two gradients in each. Fused, the second one's 8 linear
+    and LM head GEMMs write with beta = 1, and the embedding's rows go into .grad after the LM head's gradient in
+    both. Biases and LayerNorms accumulate as before."""
+    fused, unfused = op_counts(model(True)), op_counts(model(False))
+    assert "aten::addmm_" not in unfused and "aten::index_put_" not in unfused
+    assert (fused["aten::addmm_"], fused["aten::index_put_"]) == (9, 2)
+    assert unfused["aten::add_"] - fused["aten::add_"] == 9
+    assert unfused["aten::add"] - fused["aten::add"] == 2
+
+
+def test_parameters_with_gradient_hooks_are_left_to_autograd():
+    """A post-accumulate-grad hook (ZeRO's, BF16_Optimizer's) or a tensor hook still sees every micro batch."""
+    fused = model(True)
+    seen = []
+    dense = fused.layers[0].mlp.dense_h_to_4h.weight
+    dense.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    qkv = fused.layers[1].self_attention.query_key_value.weight
+    qkv.register_hook(lambda g: seen.append(g.clone()))
+    fused.embedding.word_embeddings.weight.register_post_accumulate_grad_hook(lambda p: seen.append(None))
+    grads = accumulate(fused)
+    assert len(seen) == 3 * 3  # each hook once per micro batch (autograd sums the tied embedding's two first)
+    assert_same_gradients(grads, accumulate(model(False)))
+
+
+def test_linear_function_gradients_and_no_grad_forward():
+    """The function alone: x and bias gradients equal F.linear's, the weight's after one backward too and to fp32
+    rounding after two; without grad it is F.linear."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 7, generator=gen, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(6, 7, generator=gen))
+    bias = torch.nn.Parameter(torch.randn(6, generator=gen))
+    dy = torch.randn(2, 5, 6, generator=gen)
+    reference = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    for backward in range(2):
+        tensor_parallel.linear_with_grad_accumulation(x, weight, bias).backward(dy)
+        torch.nn.functional.linear(*reference).backward(dy)
+        assert torch.equal(x.grad, reference[0].grad) and torch.equal(bias.grad, reference[2].grad)
+        if backward == 0:
+            assert torch.equal(weight.grad, reference[1].grad)
+        torch.testing.assert_close(weight.grad, reference[1].grad, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(tensor_parallel.linear_with_grad_accumulation(x, weight, bias),
+                           torch.nn.functional.linear(x, weight, bias))
+
+
+def _tp2_slices_equal_tp1(rank, world, fields):
+    state = ps.initialize_model_parallel(world, 1)
+    config = dataclasses.replace(CONFIG, vocab_size=128, **fields)
+    fused = BloomModel(dataclasses.replace(config, tensor_model_parallel_size=world), tp_group=state.tp_group)
+    unfused = BloomModel(dataclasses.replace(config, gradient_accumulation_fusion=False))
+    fused_grads = accumulate(fused)
+    reference = accumulate(unfused)
+    for name, param in fused.named_parameters():
+        full = gather_full(param, fused_grads[name], state.tp_group)
+        # TP sums the partial products in another order: TP 1 and TP 2 agree to fp32 rounding (test_tensor_parallel)
+        torch.testing.assert_close(full, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("fields", [{}, {"checkpoint_activations": True}], ids=["plain", "checkpointed"])
+def test_tp2_fused_gradient_slices_equal_tp1_unfused(fields):
+    run_distributed(_tp2_slices_equal_tp1, 2, fields)
+
+
+def _training_steps(rank, world, root, cases, out):
+    """Weights after 2 optimizer steps of 3 micro batches each, with and without the fusion, per wrapper case."""
+    from megatron.core import parallel_state
+    from tests.checkpoint_engines import CASES, batch, build_engine, configure, weights
+    state = parallel_state.initialize_model_parallel(1, 1)
+    results = {}
+    for case in cases:
+        for fuse in (True, False):
+            flags = [*CASES[case][0], "--global-batch-size", "6",
+                     *([] if fuse else ["--no-gradient-accumulation-fusion"])]
+            config, ds_config = configure(f"{root}/{case}-{fuse}", flags)
+            assert config.model.gradient_accumulation_fusion is fuse
+            engine = build_engine(case, config, ds_config, state)
+            assert type(engine.optimizer).__name__ == CASES[case][1]
+            for micro in range(6):
+                inputs, labels = batch(micro)
+                engine.backward(engine(inputs, labels=labels).mean())
+                engine.step()
+            assert engine.global_steps == 2
+            results[case, fuse] = weights(engine)
+    torch.save(results, out)
+
+
+def test_training_steps_equal_with_and_without_fusion(tmp_path):
+    """fp32 and bf16 at ZeRO 0 (torch's AdamW, FP16_UnfusedOptimizer: fused) and bf16 ZeRO 1 accumulating in fp32
+    (BF16_Optimizer's hooks: left to autograd, so bit for bit). fp32: the gradients' last-bit differences move the
+    weights by less than 1e-5. bf16: the fused GEMM rounds each sum into the bf16 .grad once where autograd rounds
+    twice, so gradients differ by a bf16 ulp and the bf16 weights after two steps by at most 2 ulps (measured
+    4.7e-4 at |w| < 0.125; bound 1e-3)."""
+    cases = ("fp32-zero0", "bf16-zero0", "bf16-zero1-fp32-accumulation")
+    out = str(tmp_path / "weights.pt")
+    run_distributed(_training_steps, 1, str(tmp_path), cases, out)
+    results = torch.load(out)
+    for case in cases:
+        fused, unfused = results[case, True], results[case, False]
+        for name in fused:
+            if case.startswith("bf16-zero1"):
+                assert torch.equal(fused[name], unfused[name]), (case, name)
+            else:
+                tolerance = 1e-3 if case.startswith("bf16") else 1e-5
+                torch.testing.assert_close(fused[name], unfused[name], rtol=0, atol=tolerance, msg=f"{case} {name}")
