@@ -156,7 +156,8 @@ def _training_steps(rank, world, root, cases, out):
 
 def test_training_steps_equal_with_and_without_fusion(tmp_path):
     """fp32 and bf16 at ZeRO 0 (torch's AdamW, FP16_UnfusedOptimizer: fused) and bf16 ZeRO 1 accumulating in fp32
-    (BF16_Optimizer's hooks: left to autograd, so bit for bit). fp32: the gradients' last-bit differences move the
+    (BF16_Optimizer's hooks: left to autograd, so bit for bit, but for the tied embedding, whose LM head gradient
+    the fallback computes as dY^T X, where autograd's bf16 GEMM orders the sum otherwise). fp32: the gradients' last-bit differences move the
     weights by less than 1e-5. bf16: the fused GEMM rounds each sum into the bf16 .grad once where autograd rounds
     twice, so gradients differ by a bf16 ulp and the bf16 weights after two steps by at most 2 ulps (measured
     4.7e-4 at |w| < 0.125; bound 1e-3)."""
@@ -167,7 +168,7 @@ def test_training_steps_equal_with_and_without_fusion(tmp_path):
     for case in cases:
         fused, unfused = results[case, True], results[case, False]
         for name in fused:
-            if case.startswith("bf16-zero1"):
+            if case.startswith("bf16-zero1") and name != TIED:
                 assert torch.equal(fused[name], unfused[name]), (case, name)
             else:
                 tolerance = 1e-3 if case.startswith("bf16") else 1e-5
