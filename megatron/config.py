@@ -111,7 +111,7 @@ class ModelConfig:
     gradient_accumulation_fusion: bool = flag(
         True, "each micro batch's weight gradients are summed into .grad by the weight-gradient GEMM (beta = 1) "
         "and the embedding's index_put_, not by a separate add; serves the parameters without gradient hooks "
-        "(ZeRO 0 except bf16 with PP > 1), outside --compile-blocks' compiled regions",
+        "(ZeRO 0; ZeRO 1/2 without contiguous gradients or overlap; never ZeRO 3), also in --compile-blocks",
         negation="--no-gradient-accumulation-fusion")
     abort_on_unmet_fused_kernel_constraints: bool = flag(
         False, "stop instead of falling back when a fused kernel cannot serve this configuration")

@@ -1,6 +1,6 @@
 """Gradient accumulation fusion on CUDA: a tiny BLOOM's losses and gradients after several micro batches with the
-fusion against without it, in fp32 and bf16, eager and with --compile-blocks (whose compiled regions trace the
-plain ops: only the embedding and the LM head fuse there).
+fusion against without it, in fp32 and bf16, eager, with --compile-blocks (the custom op inside the compiled
+block's backward graph) and with activation checkpointing.
 
 Tolerances: the forward is the same ops either way (losses equal exactly). fp32 gradients agree to 1e-5 relative to
 max|g| (cuBLAS's beta = 1 GEMM rounds once where mm + add rounds twice). bf16: each gradient is compared with the

@@ -169,3 +169,32 @@ def test_training_steps_equal_with_and_without_fusion(tmp_path, case):
     results = torch.load(out)
     for name, fused in results[True].items():
         torch.testing.assert_close(fused, results[False][name], rtol=0, atol=TRAINING_CASES[case], msg=name)
+
+
+def _mlp_forward(mlp, x):
+    return mlp(x)
+
+
+def test_compiled_region_keeps_one_graph_and_accumulates_in_place():
+    """torch.compile of a block's MLP (as --compile-blocks compiles the block, on CPU here): no graph break, one graph
+    for the first micro batch (.grad None: autograd's) and one for the others (the custom op into .grad), gradients
+    equal to the eager unfused ones after 3 micro batches."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from megatron.model.bloom import ParallelMLP
+    torch._dynamo.reset()
+    counters.clear()
+    fused, unfused = (ParallelMLP(dataclasses.replace(CONFIG, gradient_accumulation_fusion=f)) for f in (True, False))
+    unfused.load_state_dict(fused.state_dict())
+    compiled = torch.compile(_mlp_forward, dynamic=False)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(2, 8, CONFIG.hidden_size, generator=generator)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(fused, x).pow(2).mean().backward()
+        unfused(x).pow(2).mean().backward()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert [e.count for e in prof.key_averages() if e.key == "megatron::wgrad_accumulate_"] == [2]  # both weights
+    for (name, got), want in zip(fused.named_parameters(), unfused.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch._dynamo.reset()
