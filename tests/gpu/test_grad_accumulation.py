@@ -1,6 +1,6 @@
 """Gradient accumulation fusion on CUDA: a tiny BLOOM's losses and gradients after several micro batches with the
 fusion against without it, in fp32 and bf16, eager, with --compile-blocks (the custom op inside the compiled
-block's backward graph) and with activation checkpointing.
+block's backward graph), with activation checkpointing (also compiled) and with --fused-elementwise.
 
 Tolerances: the forward is the same ops either way (losses equal to 1e-5 relative: inductor may fuse the compiled
 block's graph with the custom function otherwise). fp32 gradients agree to 1e-5 relative to
@@ -36,8 +36,11 @@ def gradients(fields, dtype, fuse, micro_batches=3):
     return losses, {name: p.grad.float() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("fields", [{}, {"compile_blocks": True}, {"checkpoint_activations": True}],
-                         ids=["eager", "compile-blocks", "checkpointed"])
+@pytest.mark.parametrize("fields", [{}, {"compile_blocks": True}, {"checkpoint_activations": True},
+                                    {"compile_blocks": True, "checkpoint_activations": True},
+                                    {"fused_elementwise": True}],
+                         ids=["eager", "compile-blocks", "checkpointed", "compile-blocks-checkpointed",
+                              "fused-elementwise"])
 def test_fused_gradients_match_unfused_fp32(fields):
     fused_losses, fused = gradients(fields, torch.float32, True)
     losses, unfused = gradients(fields, torch.float32, False)
