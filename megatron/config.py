@@ -108,6 +108,11 @@ class ModelConfig:
                                 "(LayerNorms, QKV, FlexAttention/SDPA, dense, MLP, residuals) as one "
                                 "torch.compile'd region, reused by every layer; elsewhere the block runs as "
                                 "without it (--fused-elementwise's regions if on, else eager)")
+    gradient_accumulation_fusion: bool = flag(
+        True, "each micro batch's weight gradients are summed into .grad by the weight-gradient GEMM (beta = 1) "
+        "and the embedding's index_put_, not by a separate add; serves the parameters without gradient hooks "
+        "(ZeRO 0; ZeRO 1/2 without contiguous gradients or overlap; never ZeRO 3), also in --compile-blocks",
+        negation="--no-gradient-accumulation-fusion")
     abort_on_unmet_fused_kernel_constraints: bool = flag(
         False, "stop instead of falling back when a fused kernel cannot serve this configuration")
     loss_chunk_size: int = flag(0, "tokens per chunk of the LM head + loss (0: whole micro batch at once; PP 1 "

@@ -67,6 +67,8 @@ def parse_args(argv=None):
                         "--fused-elementwise (ours-regions: three compiled regions per block)")
     p.add_argument("--fused-elementwise", action="store_true", help="ours: the three fused elementwise regions")
     p.add_argument("--compile-blocks", action="store_true", help="ours: each block as one compiled region")
+    p.add_argument("--no-gradient-accumulation-fusion", action="store_true",
+                   help="ours: weight gradients summed into .grad by autograd's add, not by their GEMM (A/B)")
     p.add_argument("--attention-variants", default=None, metavar="A,B,...",
                    help="also run ours once per attention variant: " + ", ".join(ATTENTION_VARIANTS))
     p.add_argument("--attention-variant", choices=list(ATTENTION_VARIANTS), default=None, help=argparse.SUPPRESS)
@@ -240,6 +242,8 @@ def run_ours(args, shape):
         argv.append("--fused-elementwise")
     if args.compile_blocks:
         argv.append("--compile-blocks")
+    if args.no_gradient_accumulation_fusion:
+        argv.append("--no-gradient-accumulation-fusion")
     if args.attention_variant:
         from megatron.model import attention
         variant = ATTENTION_VARIANTS[args.attention_variant]

@@ -70,7 +70,7 @@ class BloomEmbedding(nn.Module):
         with init_seed(config.seed, 0):
             self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, init_method=normal_init(config.init_method_std),
-                tp_group=tp_group)
+                tp_group=tp_group, gradient_accumulation_fusion=config.gradient_accumulation_fusion)
         self.word_embeddings_layernorm = (make_layernorm(config, config.hidden_size)
                                           if config.embed_layernorm else None)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -99,12 +99,14 @@ class ParallelAttention(nn.Module):
                              f"tensor-parallel size {tp_size}; choose a TP size that divides the head count")
         self.heads_per_partition = config.num_attention_heads // tp_size
         self.head_dim = config.head_dim
-        std = config.init_method_std
+        std, fuse = config.init_method_std, config.gradient_accumulation_fusion
         self.query_key_value = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, init_method=normal_init(std), tp_group=tp_group)
+            config.hidden_size, 3 * config.hidden_size, init_method=normal_init(std), tp_group=tp_group,
+            gradient_accumulation_fusion=fuse)
         self.dense = tensor_parallel.RowParallelLinear(
             config.hidden_size, config.hidden_size, input_is_parallel=True,
-            init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
+            init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group,
+            gradient_accumulation_fusion=fuse)
         slopes = get_alibi_slopes_for_rank(config.num_attention_heads, tp_rank, tp_size)
         self.core_attention = CoreAttention(slopes, config.head_dim, config.attention_dropout,
                                             config.attention_impl, config.abort_on_unmet_fused_kernel_constraints)
@@ -135,12 +137,14 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, config, tp_group=None):
         super().__init__()
-        std = config.init_method_std
+        std, fuse = config.init_method_std, config.gradient_accumulation_fusion
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, config.ffn_dim, init_method=normal_init(std), tp_group=tp_group)
+            config.hidden_size, config.ffn_dim, init_method=normal_init(std), tp_group=tp_group,
+            gradient_accumulation_fusion=fuse)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             config.ffn_dim, config.hidden_size, input_is_parallel=True,
-            init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group)
+            init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group,
+            gradient_accumulation_fusion=fuse)
 
     def forward(self, x, fused=False):
         """fused: the output without its bias (self.dense_4h_to_h.bias, for the block's fused region), h -> 4h's
@@ -236,29 +240,31 @@ def compiled_block():
     return torch.compile(_block_forward, dynamic=False)
 
 
-def parallel_lm_logits(hidden, word_embeddings_weight, tp_group):
-    """Logits of this rank's vocabulary slice: (B, S, H) @ (V/p, H)^T -> (B, S, V/p).
+def parallel_lm_logits(hidden, word_embeddings_weight, tp_group, gradient_accumulation_fusion=False):
+    """Logits of this rank's vocabulary slice: (B, S, H) @ (V/p, H)^T -> (B, S, V/p); with
+    gradient_accumulation_fusion the weight gradient is summed into word_embeddings_weight.grad by its GEMM.
 
     Communicates (p > 1): nothing forward; backward all-reduces the gradient of hidden over tp_group.
     """
     hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, tp_group)
-    return F.linear(hidden, word_embeddings_weight)
+    return tensor_parallel.linear_with_grad_accumulation(hidden, word_embeddings_weight, None,
+                                                         gradient_accumulation_fusion)
 
 
-def lm_loss(hidden, word_embeddings_weight, labels, tp_group, chunk_size=0):
+def lm_loss(hidden, word_embeddings_weight, labels, tp_group, chunk_size=0, gradient_accumulation_fusion=False):
     """Per-token fp32 loss of the tied LM head + vocab-parallel cross entropy.
 
     With chunk_size > 0 the tokens are processed in chunks whose logits are recomputed in backward, so at
     most chunk_size x V/p logits are alive at a time instead of B x S x V/p.
     """
     if chunk_size <= 0 or hidden.shape[0] * hidden.shape[1] <= chunk_size:
-        logits = parallel_lm_logits(hidden, word_embeddings_weight, tp_group)
+        logits = parallel_lm_logits(hidden, word_embeddings_weight, tp_group, gradient_accumulation_fusion)
         return tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward=True)
     b, s, h = hidden.shape
     flat_hidden, flat_labels = hidden.reshape(b * s, h), labels.reshape(b * s)
 
     def chunk_loss(hid, lab, weight):
-        logits = parallel_lm_logits(hid, weight, tp_group)
+        logits = parallel_lm_logits(hid, weight, tp_group, gradient_accumulation_fusion)
         return tensor_parallel.vocab_parallel_cross_entropy(logits, lab, tp_group, inplace_backward=True)
 
     losses = [tensor_parallel.checkpoint(chunk_loss, flat_hidden[i:i + chunk_size], flat_labels[i:i + chunk_size],
@@ -327,7 +333,7 @@ class BloomModel(nn.Module):
         x = self.hidden_states(input_ids, attention_mask, cache)
         if labels is not None:
             return lm_loss(x, self.embedding.word_embeddings.weight, labels, self.tp_group,
-                           self.config.loss_chunk_size)
+                           self.config.loss_chunk_size, self.config.gradient_accumulation_fusion)
         return self.lm_logits(x)
 
     def hidden_states(self, input_ids, attention_mask=None, cache=None):
@@ -345,7 +351,8 @@ class BloomModel(nn.Module):
 
     def lm_logits(self, hidden):
         """(B, S, H) -> logits through the tied head (this rank's vocabulary slice unless parallel_output=False)."""
-        logits = parallel_lm_logits(hidden, self.embedding.word_embeddings.weight, self.tp_group)
+        logits = parallel_lm_logits(hidden, self.embedding.word_embeddings.weight, self.tp_group,
+                                    self.config.gradient_accumulation_fusion)
         if not self.parallel_output:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, self.tp_group)
         return logits

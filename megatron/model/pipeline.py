@@ -42,7 +42,9 @@ class FinalLayerNormPipe(nn.Module):
 
 
 def _lm_head(embedding, hidden):
-    return parallel_lm_logits(hidden, embedding.word_embeddings_weight, embedding.word_embeddings.tp_group)
+    words = embedding.word_embeddings
+    return parallel_lm_logits(hidden, embedding.word_embeddings_weight, words.tp_group,
+                              words.gradient_accumulation_fusion)
 
 
 class _LossFn:

@@ -9,11 +9,15 @@ code read; they agree with the parameter spec (megatron/model/spec.py, tests/uni
 
 Every layer takes its tensor-parallel group as `tp_group` (a ProcessGroup, or None for no tensor parallelism) and
 resolves tp_size / tp_rank once in __init__; forward reads only those attributes, never global state.
+
+gradient_accumulation_fusion=True: each micro batch's weight gradient is summed into `.grad` by the weight-gradient
+GEMM (or, for the embedding, an index_put_) itself instead of by autograd's separate add (grad_accumulation.py).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.tensor_parallel.grad_accumulation import (embedding_with_grad_accumulation,
+                                                              linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     get_group_size_and_rank,
@@ -60,9 +64,10 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size, output_size, *, bias=True, gather_output=False, init_method=None,
-                 params_dtype=torch.float32, tp_group=None):
+                 params_dtype=torch.float32, tp_group=None, gradient_accumulation_fusion=False):
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.tp_size, self.tp_rank = world, rank = get_group_size_and_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, world, "output size")
@@ -76,10 +81,9 @@ class ColumnParallelLinear(nn.Module):
         fused elementwise region; needs gather_output=False."""
         bias = self.bias if add_bias else None
         assert add_bias or not self.gather_output, "add_bias=False needs gather_output=False"
-        if self.tp_size == 1:
-            return F.linear(x, self.weight, bias)
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, bias)  # (..., output_size / p)
+        if self.tp_size > 1:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = linear_with_grad_accumulation(x, self.weight, bias, self.gradient_accumulation_fusion)  # (..., output / p)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y
@@ -95,9 +99,10 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size, output_size, *, bias=True, input_is_parallel=False, init_method=None,
-                 params_dtype=torch.float32, tp_group=None):
+                 params_dtype=torch.float32, tp_group=None, gradient_accumulation_fusion=False):
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.tp_size, self.tp_rank = world, rank = get_group_size_and_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, world, "input size")
@@ -111,7 +116,8 @@ class RowParallelLinear(nn.Module):
         inside a fused elementwise region."""
         if self.tp_size > 1 and not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)  # (..., output_size): this rank's partial product
+        # (..., output_size): this rank's partial product
+        y = linear_with_grad_accumulation(x, self.weight, None, self.gradient_accumulation_fusion)
         if self.tp_size > 1:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         return y + self.bias if self.bias is not None and add_bias else y
@@ -125,9 +131,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, init_method=None, params_dtype=torch.float32,
-                 tp_group=None):
+                 tp_group=None, gradient_accumulation_fusion=False):
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.tp_size, self.tp_rank = world, rank = get_group_size_and_rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_partition = _divide(num_embeddings, world, "padded vocabulary size")
@@ -139,8 +146,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids):
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return embedding_with_grad_accumulation(input_ids, self.weight, self.gradient_accumulation_fusion)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = embedding_with_grad_accumulation(local_ids, self.weight, self.gradient_accumulation_fusion)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
