@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron.flags import comma_separated, declared_flags, flag, json_table
 
-ATTENTION_IMPLS = ("auto", "flex", "sdpa", "fused", "torch")
+ATTENTION_IMPLS = ("auto", "cudnn", "flex", "sdpa", "fused", "torch")
 LOG_LEVELS = ("debug", "info", "warning")
 
 

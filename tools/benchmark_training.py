@@ -31,6 +31,7 @@ SMALL_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_leng
 # "safe": every causal row keeps its diagonal key and the causal blocks are contiguous (both true for this mask).
 _SAFE = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True}
 ATTENTION_VARIANTS = {
+    "cudnn": ("cudnn", None, None),
     "flex": ("flex", None, None),
     "flex-safe": ("flex", _SAFE, None),
     "flex-tma": ("flex", {**_SAFE, "USE_TMA": True}, None),
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3, help="timed optimizer steps")
     p.add_argument("--warmup-iters", type=int, default=1)
     p.add_argument("--checkpoint-activations", action="store_true")
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "flex", "sdpa", "fused", "torch"])
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "cudnn", "flex", "sdpa", "fused", "torch"])
     p.add_argument("--loss-chunk-size", type=int, default=8192)
     p.add_argument("--fused-layernorm", action="store_true")
     p.add_argument("--zero-stage", type=int, default=0)
@@ -94,7 +95,7 @@ CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("communication", ("nccl", "allreduce", "all_reduce", "gloo")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_adam")),
     ("loss", ("log_softmax", "logsoftmax", "nll_loss", "cross_entropy")),
-    ("attention", ("flash", "flex", "attention", "softmax", "fmha", "triton_tem", "alibi")),
+    ("attention", ("flash", "flex", "attention", "softmax", "fmha", "sdpa", "triton_tem", "alibi")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "sm90", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
 ]
 

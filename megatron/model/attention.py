@@ -4,10 +4,13 @@
     sdpa   torch.nn.functional.scaled_dot_product_attention with the ALiBi bias as a float mask
     flex   FlexAttention (compiled) with ALiBi as score_mod and a causal block mask (CUDA)
     fused  our csrc softmax kernel with the ALiBi bias folded in (CUDA, bf16/fp16)
-    auto   flex on CUDA for self-attention over a multiple of 128 positions (training's fixed shapes: one
-           compilation per sequence length), sdpa for every other call (a KV cache's growing key length, odd
-           lengths, padding masks, the CPU), so it never recompiles per length; megatron.inference decodes
-           with its own fixed-shape attention
+    cudnn  cuDNN's fused attention with its own ALiBi (megatron/model/cudnn_attention.py): self-attention
+           without padding or attention dropout, CUDA bf16/fp16, when the rank's slopes are cuDNN's (TP 1);
+           ParallelAttention hands it the fused QKV output whole
+    auto   cudnn where it serves and is installed; else flex on CUDA for self-attention over a multiple of 128
+           positions (training's fixed shapes: one compilation per sequence length), sdpa for every other call
+           (a KV cache's growing key length, odd lengths, padding masks, the CPU), so it never recompiles per
+           length; megatron.inference decodes with its own fixed-shape attention
 
 Queries are the last sq positions of sk keys (sk > sq with a KV cache): query i sees keys j <= i + sk - sq.
 An optional key padding mask (B, sk), True for real tokens, excludes padded keys.
@@ -22,6 +25,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.model import cudnn_attention
 
 logger = logging.getLogger(__name__)
 _LOGGED = set()
@@ -138,14 +142,19 @@ def flex_attention(q, k, v, slopes, scale, dropout_p, key_padding_mask=None):
                             kernel_options=FLEX_KERNEL_OPTIONS)
 
 
+CUDNN = "cudnn"  # block_attention_inputs' answer when ParallelAttention hands the fused QKV output to cuDNN
+
+
 def block_attention_inputs(core, seq_len, device, dtype):
     """What a transformer block compiled as a whole (BloomBlock with --compile-blocks) hands to attend_in_graph for
     self-attention over seq_len positions, built outside the compiled region (cached, shared by every layer):
-    (block_mask, score_mod, None) for flex, (None, None, bias) for sdpa; None where neither serves (another
-    backend, or attention dropout while training)."""
+    CUDNN where cuDNN serves, (block_mask, score_mod, None) for flex, (None, None, bias) for sdpa; None where
+    none serves (another backend, or attention dropout while training)."""
     if core.training and core.attention_dropout > 0:
         return None
-    impl = core.impl if core.impl != "auto" else ("flex" if seq_len % 128 == 0 else "sdpa")
+    if core.cudnn_serves(device, dtype):
+        return CUDNN
+    impl = core.impl if core.impl not in ("auto", "cudnn") else ("flex" if seq_len % 128 == 0 else "sdpa")
     if impl not in ("flex", "sdpa"):
         return None
     if core.slopes.device != device:
@@ -183,6 +192,10 @@ def resolve_backend(impl, q, dropout_p, key_padding_mask, abort_on_unmet=False, 
     With abort_on_unmet (--abort-on-unmet-fused-kernel-constraints) a call the fused path cannot serve raises.
     sk: the key length (default: the query length).
     """
+    if impl == "cudnn":  # cuDNN takes the fused QKV output in ParallelAttention; a call that reaches here it cannot serve
+        _log_once("attention: cudnn serves self-attention without padding or dropout at TP 1 (with "
+                  "nvidia-cudnn-frontend installed); using auto for this call")
+        impl = "auto"
     if impl == "auto":
         sq = q.shape[2]
         fixed_shape = (sk is None or sk == sq) and sq % 128 == 0 and key_padding_mask is None and dropout_p == 0
@@ -212,7 +225,15 @@ class CoreAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.impl = impl
         self.abort_on_unmet = abort_on_unmet
+        # Decided once from the slopes (host values at construction): cuDNN computes its own.
+        self.cudnn_slopes = cudnn_attention.slopes_match(tuple(self.slopes.tolist()))
         _log_once(f"attention: --attention-impl {impl}")
+
+    def cudnn_serves(self, device, dtype, key_padding_mask=None):
+        """Whether ParallelAttention should hand this self-attention to cuDNN (megatron/model/cudnn_attention.py)."""
+        return (self.impl in ("auto", "cudnn") and self.cudnn_slopes and key_padding_mask is None
+                and not (self.training and self.attention_dropout > 0)
+                and cudnn_attention.serves(self.scale, dtype, device))
 
     def forward(self, q, k, v, key_padding_mask=None):
         if self.slopes.device != q.device:

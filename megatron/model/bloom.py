@@ -31,7 +31,7 @@ from torch import nn
 
 from megatron.core import tensor_parallel
 from megatron.fused_kernels import elementwise
-from megatron.model import attention
+from megatron.model import attention, cudnn_attention
 from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model.attention import CoreAttention
 
@@ -116,6 +116,11 @@ class ParallelAttention(nn.Module):
         graph_attention: attention.block_attention_inputs(...) inside a block compiled as a whole."""
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
+        core = self.core_attention
+        if (graph_attention == attention.CUDNN if graph_attention is not None
+                else layer_cache is None and core.cudnn_serves(x.device, x.dtype, key_padding_mask)):
+            context = cudnn_attention.attention(qkv, core.scale)  # (B, S, nh/p, hd), q k v read in place
+            return self.dense(context.view(b, s, self.heads_per_partition * self.head_dim), add_bias=add_bias)
         # unbind, not three selects: its backward stacks the three gradients in one kernel, where each select's
         # backward would write a zero-filled full-size qkv gradient and autograd would add the three.
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each (B, nh/p, S, hd)

@@ -38,3 +38,52 @@ def test_a_non_finite_gradient_makes_the_norm_invalid_as_deepspeeds(bad):
 
 def test_a_norm_too_large_for_fp32_squares_is_invalid():
     assert gradient_norm([torch.full((4,), 3e19)]) == -1
+
+
+def unfused_optimizer(dtype, clip_grad, seed=0):
+    """A DeepSpeed FP16_UnfusedOptimizer around torch AdamW over four low-precision parameters (one without a
+    gradient), built without its constructor's accelerator and process-group checks."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig, LossScaleProfile
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    generator = torch.Generator().manual_seed(seed)
+    low = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
+           for shape in ((64, 32), (32,), (7, 5, 3), (3,))]
+    for p in low[:3]:
+        p.grad = (torch.randn(p.shape, generator=generator) * 4).to(dtype)
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in low]
+    opt = FP16_UnfusedOptimizer.__new__(FP16_UnfusedOptimizer)
+    opt.fused_lamb_legacy, opt.mpu, opt.clip_grad, opt.verbose, opt.custom_loss_scaler = False, None, clip_grad, False, False
+    opt.fp16_groups, opt.fp32_groups = [low], [masters]
+    opt.optimizer = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    opt.loss_scale_config = LossScaleConfig(low_precision_dtype=dtype, dynamic_loss_scale=False, static_loss_scale=1.0,
+                                            dynamic_loss_args=None, profile=LossScaleProfile.UNFUSED)
+    opt.overflow_checker = type("NoOverflow", (), {"check": staticmethod(lambda param_groups=None: False)})()
+    return opt, low, masters
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("clip_grad", [0.0, 1.0])
+def test_the_multi_tensor_step_equals_deepspeeds_step_and_fp32_adamw(dtype, clip_grad):
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from megatron.optimizer import unfused
+    deepspeed_step = getattr(FP16_UnfusedOptimizer.step, "deepspeed_step", FP16_UnfusedOptimizer.step)
+    ours, ours_low, ours_masters = unfused_optimizer(dtype, clip_grad)
+    theirs, theirs_low, theirs_masters = unfused_optimizer(dtype, clip_grad)
+    grads = [None if p.grad is None else p.grad.float() for p in ours_low]
+    assert unfused.multi_tensor_step(ours) is False and deepspeed_step(theirs) is False
+    assert ours._global_grad_norm == theirs._global_grad_norm > 0
+    for a, b in zip(ours_low + ours_masters, theirs_low + theirs_masters):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    assert all(m.grad is None for m in ours_masters)  # the fp32 gradients are released, as DeepSpeed does
+
+    # independently: fp32 AdamW on the gradients in fp32 (clipped by the true norm), weights rounded back
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in unfused_optimizer(dtype, clip_grad)[1]]
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    factor = max(1.0, (norm + 1e-6) / clip_grad) if clip_grad > 0 else 1.0
+    for p, g in zip(reference, grads):
+        p.grad = torch.zeros_like(p) if g is None else g / factor if factor != 1.0 else g
+    torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1).step()
+    for master, low, ref in zip(ours_masters, ours_low, reference):
+        torch.testing.assert_close(master, ref, rtol=1e-6, atol=1e-7)
+        assert torch.equal(low, master.to(dtype))
