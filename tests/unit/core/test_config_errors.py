@@ -19,7 +19,7 @@ def make(**overrides):
      "choose a head count that divides the hidden size"),
     (dict(seq_length=4096, max_position_embeddings=2048),
      "--seq-length 4096 exceeds --max-position-embeddings 2048; raise the latter or shorten the sequence"),
-    (dict(attention_impl="xformers"), "--attention-impl xformers is not one of auto, flex, sdpa, fused, torch"),
+    (dict(attention_impl="xformers"), "--attention-impl xformers is not one of auto, cudnn, flex, sdpa, fused, torch"),
 ])
 def test_bad_shapes(overrides, message):
     with pytest.raises(ValueError) as err:
