@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-blocks", action="store_true", help="ours: each block as one compiled region")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="ours: weight gradients summed into .grad by autograd's add, not by their GEMM (A/B)")
+    p.add_argument("--no-gemm-epilogues", action="store_true",
+                   help="ours: the MLP's GeLU outside its GEMMs (as before the cuBLASLt epilogues)")
     p.add_argument("--attention-variants", default=None, metavar="A,B,...",
                    help="also run ours once per attention variant: " + ", ".join(ATTENTION_VARIANTS))
     p.add_argument("--attention-variant", choices=list(ATTENTION_VARIANTS), default=None, help=argparse.SUPPRESS)
@@ -81,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--gaps", action="store_true",
                    help="after timing (CUDA), trace one more step and say where the GPU sat idle (each gap > 10 us "
                         "by the Python frames the host was in, and the synchronizing calls with their callers)")
+    p.add_argument("--origins", default=None, metavar="TEXT,...",
+                   help="with --gaps: for the kernels whose names contain one of these texts, the host op and "
+                        "Python frames that launched them")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -140,12 +145,48 @@ def _own_frames(names, depth=3):
     return " < ".join(keep[:depth]) or (names[0] if names else "?")
 
 
-def _idle_gaps(step, device, top=20):
+def _kernel_origins(events, patterns, top=8):
+    """{pattern: [[ms, count, "op < op < frames"]]}: which host ops (innermost first) and Python frames of this repo
+    or DeepSpeed launched the traced kernels whose names contain pattern, matched through the launch's correlation
+    id; one sweep per host thread over its nested intervals."""
+    wanted = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            pattern = next((p for p in patterns if p in e["name"]), None)
+            if pattern is not None and "correlation" in e.get("args", {}):
+                wanted[e["args"]["correlation"]] = (pattern, e.get("dur", 0) / 1000)
+    by_thread = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in ("cpu_op", "python_function"):
+            by_thread.setdefault(e.get("tid"), []).append((e["ts"], 0, e["ts"] + e.get("dur", 0), e["name"], e["cat"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("args", {}).get("correlation") in wanted:
+            by_thread.setdefault(e.get("tid"), []).append((e["ts"], 1, e["ts"], e["args"]["correlation"], "launch"))
+    found = {pattern: {} for pattern in patterns}
+    for items in by_thread.values():
+        stack = []  # the host intervals open at the current time, outermost first
+        for ts, _, finish, name, cat in sorted(items, key=lambda i: (i[0], i[1], -i[2])):
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            if cat != "launch":
+                stack.append((finish, name, cat))
+                continue
+            pattern, ms = wanted[name]
+            ops = [n for _, n, c in reversed(stack) if c == "cpu_op"]
+            key = " < ".join(ops[:2] + [_own_frames([n for _, n, c in reversed(stack) if c == "python_function"])])
+            total, n = found[pattern].get(key, (0.0, 0))
+            found[pattern][key] = (total + ms, n + 1)
+    return {p: sorted(([ms, n, key] for key, (ms, n) in keys.items()), reverse=True)[:top]
+            for p, keys in found.items()}
+
+
+def _idle_gaps(step, device, top=20, origins=()):
     """Traces one step (CPU + CUDA, Python stacks) and attributes the device's idle time: each interval with no
     kernel, copy or memset running that is longer than GAP_US, grouped by the Python frames the host thread was in
     when the interval began. Then runs one more step under torch.cuda.set_sync_debug_mode("warn") and groups the
     synchronizing calls by their caller. Returns {"idle_ms", "gaps", "by_frames": [[ms, count, frames]],
-    "syncs": [[count, caller]]}."""
+    "syncs": [[count, caller]], "origins": _kernel_origins(..., origins)}."""
     import tempfile
     import traceback
     import warnings
@@ -159,6 +200,7 @@ def _idle_gaps(step, device, top=20):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
+    found = _kernel_origins(events, origins) if origins else {}
     device_ops = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     frames = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
@@ -192,7 +234,7 @@ def _idle_gaps(step, device, top=20):
     torch.cuda.synchronize(device)
     by_frames = sorted(([ms, n, key] for key, (ms, n) in groups.items()), reverse=True)[:top]
     return {"idle_ms": idle, "gaps": count, "by_frames": by_frames,
-            "syncs": sorted(([n, key] for key, n in syncs.items()), reverse=True)[:top]}
+            "syncs": sorted(([n, key] for key, n in syncs.items()), reverse=True)[:top], "origins": found}
 PROFILE_WALL_MS = []
 
 
@@ -213,7 +255,7 @@ def _timed(step, args, device):
         PROFILE.update(by_category)
         TOP_KERNELS.extend(top)
     if args.gaps and device.type == "cuda":
-        GAPS.update(_idle_gaps(step, device))
+        GAPS.update(_idle_gaps(step, device, origins=args.origins.split(",") if args.origins else ()))
     return seconds
 
 
@@ -245,6 +287,8 @@ def run_ours(args, shape):
         argv.append("--compile-blocks")
     if args.no_gradient_accumulation_fusion:
         argv.append("--no-gradient-accumulation-fusion")
+    if args.no_gemm_epilogues:
+        argv.append("--no-gemm-epilogues")
     if args.attention_variant:
         from megatron.model import attention
         variant = ATTENTION_VARIANTS[args.attention_variant]
@@ -408,6 +452,10 @@ def main(argv=None):
             print(f"{side} synchronizing calls in one step, by caller:")
             for n, key in gaps["syncs"]:
                 print(f"  {n:5d}x {key}")
+            for pattern, rows in gaps.get("origins", {}).items():
+                print(f"{side} kernels named *{pattern}*, by the host op and frames that launched them:")
+                for ms, n, key in rows:
+                    print(f"  {ms:8.2f} ms {n:5d}x {key}")
     for ref in ("hf", "hf-compile"):
         if "ours" in results and ref in results:
             ours, other = results["ours"], results[ref]
