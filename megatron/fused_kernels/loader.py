@@ -72,6 +72,23 @@ def arch_flags() -> list:
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{arch},code=compute_{arch}"]
 
 
+def cublaslt_ldflags() -> list:
+    """Linker flags for cuBLASLt (the GEMM epilogues): the library torch loads (the nvidia-cublas wheel's, or the
+    CUDA toolkit's), by its versioned name where no unversioned link exists."""
+    import glob
+    import site
+    from torch.utils.cpp_extension import CUDA_HOME
+    roots = [os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages() + [site.getusersitepackages()]
+    wheel_dirs = [os.path.join(d, "nvidia", "cublas", "lib") for d in roots]
+    toolkit_dirs = [os.path.join(CUDA_HOME, sub) for sub in ("lib64", "lib")] if CUDA_HOME else []
+    for folder in wheel_dirs + toolkit_dirs:
+        found = sorted(glob.glob(os.path.join(folder, "libcublasLt.so*")), key=len)
+        if found:
+            name = os.path.basename(found[0])
+            return [f"-L{folder}", "-lcublasLt" if name == "libcublasLt.so" else f"-l:{name}"]
+    return ["-lcublasLt"]
+
+
 def _unavailable_reason() -> Optional[str]:
     """Why the kernels cannot be built on this machine at all, or None if they can be tried."""
     if not torch.cuda.is_available():
@@ -102,7 +119,7 @@ def _build():
         build_directory=str(build_dir),
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + arch_flags(),
-        extra_ldflags=["-lcublasLt"],
+        extra_ldflags=cublaslt_ldflags(),
         verbose=False,
     )
 
