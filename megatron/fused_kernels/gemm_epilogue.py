@@ -11,12 +11,16 @@ the kernels are tested against. The forward's GeLU and the backward's GeLU gradi
 pass over the (tokens, 4h) activations of their own. megatron.core.tensor_parallel.grad_accumulation.gelu_mlp is
 the autograd function built on them.
 """
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from megatron.fused_kernels.loader import kernel_module_or_fallback
 
+logger = logging.getLogger(__name__)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SELF_CHECKED = {}  # (device, dtype) -> whether the csrc epilogues passed their start-up check there
 
 
 class TorchGemmEpilogueOps:
@@ -42,9 +46,14 @@ def unserved_reason(t):
     return None
 
 
+def _module():
+    """The csrc module if it was built with the epilogues (a build without them keeps the other kernels)."""
+    module = kernel_module_or_fallback(None)
+    return module if module is not None and hasattr(module, "gemm_bias_gelu") else None
+
+
 def _ops(t):
-    reason = unserved_reason(t)
-    module = kernel_module_or_fallback(reason) if reason is None else None
+    module = _module() if unserved_reason(t) is None else None
     return module if module is not None else TorchGemmEpilogueOps
 
 
@@ -74,6 +83,41 @@ def _(grad, weight, pre):
     return grad.new_empty(grad.shape[0], weight.shape[1]), grad.new_empty(weight.shape[1])
 
 
+def _self_check(device, dtype):
+    """Runs both csrc ops once on a small problem against TorchGemmEpilogueOps in fp32: False (with one warning
+    naming the cause) if they fail or disagree, so that the MLP stays unfused rather than wrong."""
+    module = _module()
+    if module is None:
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, grad = (torch.randn(64, 96, device=device, generator=gen).to(dtype) for _ in range(2))
+    w_up, w_down = (torch.randn(shape, device=device, generator=gen).mul(0.1).to(dtype) for shape in
+                    ((128, 96), (96, 128)))
+    bias = torch.randn(128, device=device, generator=gen).to(dtype)
+    try:
+        got = [*module.gemm_bias_gelu(x, w_up, bias)]
+        got += module.gemm_dgelu_bgrad(grad, w_down, got[1])
+    except RuntimeError as exc:
+        logger.warning("GEMM epilogues not used on %s for %s: %s", device, dtype, str(exc).splitlines()[0])
+        return False
+    fp32 = [t.float() for t in (x, w_up, bias, grad, w_down)]
+    want = [*TorchGemmEpilogueOps.gemm_bias_gelu(*fp32[:3])]
+    want += TorchGemmEpilogueOps.gemm_dgelu_bgrad(fp32[3], fp32[4], got[1].float())
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    errors = [((g.float() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+    if not all(e <= tolerance for e in errors):  # also catches NaN
+        logger.warning("GEMM epilogues not used on %s for %s: relative errors %s against torch exceed %g", device,
+                       dtype, ", ".join(f"{e:.2e}" for e in errors), tolerance)
+        return False
+    return True
+
+
 def available(t):
-    """Whether the csrc epilogues serve tensors like t (built, CUDA, a kernel dtype); loads the kernels once."""
-    return unserved_reason(t) is None and kernel_module_or_fallback(None) is not None
+    """Whether the csrc epilogues serve tensors like t: CUDA, a kernel dtype, the kernels built with the epilogues
+    and their start-up check passed on t's device for t's dtype (run once each)."""
+    if unserved_reason(t) is not None:
+        return False
+    key = (t.device, t.dtype)
+    if key not in _SELF_CHECKED:
+        _SELF_CHECKED[key] = _self_check(t.device, t.dtype)
+    return _SELF_CHECKED[key]

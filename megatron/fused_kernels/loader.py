@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 ABORT_FLAG = "--abort-on-unmet-fused-kernel-constraints"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused_kernels"
-SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu", "gemm_epilogue.cpp")
+EPILOGUE_SOURCE = "gemm_epilogue.cpp"
+SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu", EPILOGUE_SOURCE)
 HEADERS = ("fused_kernels.h", "common.cuh")
 
 
@@ -104,22 +105,25 @@ def _unavailable_reason() -> Optional[str]:
     return None
 
 
-def _build():
-    """Compiles (or loads from the cache) the extension; returns the module. Raises on failure."""
+def _build(gemm_epilogues=True):
+    """Compiles (or loads from the cache) the extension; returns the module. Raises on failure. Without
+    gemm_epilogues: every kernel but the cuBLASLt GEMM epilogues (no cuBLASLt link)."""
     from torch.utils import cpp_extension
 
     from megatron.fused_kernels.build_env import pin_ninja
     pin_ninja()  # one ninja per environment: another one's .ninja_log format rebuilds everything
-    name = f"megatron_fused_kernels_{source_hash()}"
+    name = f"megatron_fused_kernels_{source_hash()}" + ("" if gemm_epilogues else "_no_gemm_epilogues")
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    sources = SOURCES if gemm_epilogues else tuple(s for s in SOURCES if s != EPILOGUE_SOURCE)
+    defines = [] if gemm_epilogues else ["-DMEGATRON_NO_GEMM_EPILOGUES"]
     return cpp_extension.load(
         name=name,
-        sources=[str(SOURCE_DIR / s) for s in SOURCES],
+        sources=[str(SOURCE_DIR / s) for s in sources],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cflags=["-O3", "-std=c++17"] + defines,
         extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + arch_flags(),
-        extra_ldflags=cublaslt_ldflags(),
+        extra_ldflags=cublaslt_ldflags() if gemm_epilogues else [],
         verbose=False,
     )
 
@@ -178,10 +182,19 @@ def _attempt_build():
 
 
 def _try_build():
+    """(module, None) or (None, reason). A build that fails with the GEMM epilogues (cuBLASLt) is retried without
+    them, so that the other kernels still serve; the module then lacks gemm_bias_gelu (one warning says why)."""
+    errors = (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError)
     try:
         return _build(), None
-    except (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError) as exc:
-        return None, _summarise_build_error(exc)
+    except errors as exc:
+        failure = _summarise_build_error(exc)
+    try:
+        module = _build(gemm_epilogues=False)
+    except errors:
+        return None, failure
+    logger.warning("fused kernels built without the cuBLASLt GEMM epilogues (%s); the MLP runs unfused", failure)
+    return module, None
 
 
 def _summarise_build_error(exc: BaseException) -> str:
