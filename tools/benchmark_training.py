@@ -70,8 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-blocks", action="store_true", help="ours: each block as one compiled region")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="ours: weight gradients summed into .grad by autograd's add, not by their GEMM (A/B)")
-    p.add_argument("--no-gemm-epilogues", action="store_true",
-                   help="ours: the MLP's GeLU outside its GEMMs (as before the cuBLASLt epilogues)")
+    p.add_argument("--gemm-epilogues", action="store_true",
+                   help="ours: the MLP's GeLU in its GEMMs' cuBLASLt epilogues (pretrain_bloom's --gemm-epilogues)")
     p.add_argument("--attention-variants", default=None, metavar="A,B,...",
                    help="also run ours once per attention variant: " + ", ".join(ATTENTION_VARIANTS))
     p.add_argument("--attention-variant", choices=list(ATTENTION_VARIANTS), default=None, help=argparse.SUPPRESS)
@@ -287,8 +287,8 @@ def run_ours(args, shape):
         argv.append("--compile-blocks")
     if args.no_gradient_accumulation_fusion:
         argv.append("--no-gradient-accumulation-fusion")
-    if args.no_gemm_epilogues:
-        argv.append("--no-gemm-epilogues")
+    if args.gemm_epilogues:
+        argv.append("--gemm-epilogues")
     if args.attention_variant:
         from megatron.model import attention
         variant = ATTENTION_VARIANTS[args.attention_variant]
