@@ -97,6 +97,13 @@ def test_kill_anywhere_failed_save_and_corrupt_checkpoint_then_relaunch_continue
     assert_same_curve(tmp_path / "metrics.jsonl", straight)
 
 
+def _default_signals():
+    """SIGINT and SIGTERM as a terminal gives them: a shell that runs the tests in the background (`cmd &`, nohup)
+    leaves SIGINT ignored, which the launched job would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class Job:
     """The deepspeed launcher in its own session, so that a test can signal one worker or the whole group."""
 
@@ -105,7 +112,8 @@ class Job:
         cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(self.port), str(TEST_LAUNCHER)]
         self.proc = subprocess.Popen(cmd + argv, cwd=ROOT, env=env({"MEGATRON_TEST_FAULT": faults}),
                                      stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=_default_signals)
 
     def worker(self, local_rank):
         import psutil
