@@ -113,10 +113,6 @@ class ModelConfig:
         "and the embedding's index_put_, not by a separate add; serves the parameters without gradient hooks "
         "(ZeRO 0; ZeRO 1/2 without contiguous gradients or overlap; never ZeRO 3), also in --compile-blocks",
         negation="--no-gradient-accumulation-fusion")
-    gemm_epilogues: bool = flag(
-        False, "training on CUDA: the MLP's h -> 4h bias and GeLU in its GEMM's cuBLASLt epilogue, GeLU's gradient "
-        "and that bias's gradient in the 4h -> h input-gradient GEMM's (csrc); any TP, inside --compile-blocks too; "
-        "not yet run on a GPU, so off by default", negation="--no-gemm-epilogues")
     abort_on_unmet_fused_kernel_constraints: bool = flag(
         False, "stop instead of falling back when a fused kernel cannot serve this configuration")
     loss_chunk_size: int = flag(0, "tokens per chunk of the LM head + loss (0: whole micro batch at once; PP 1 "

@@ -70,8 +70,6 @@ def parse_args(argv=None):
     p.add_argument("--compile-blocks", action="store_true", help="ours: each block as one compiled region")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="ours: weight gradients summed into .grad by autograd's add, not by their GEMM (A/B)")
-    p.add_argument("--gemm-epilogues", action="store_true",
-                   help="ours: the MLP's GeLU in its GEMMs' cuBLASLt epilogues (pretrain_bloom's --gemm-epilogues)")
     p.add_argument("--attention-variants", default=None, metavar="A,B,...",
                    help="also run ours once per attention variant: " + ", ".join(ATTENTION_VARIANTS))
     p.add_argument("--attention-variant", choices=list(ATTENTION_VARIANTS), default=None, help=argparse.SUPPRESS)
@@ -167,8 +165,7 @@ def _kernel_origins(events, patterns, top=8):
     for items in by_thread.values():
         stack = []  # the host intervals open at the current time, outermost first
         for ts, _, finish, name, cat in sorted(items, key=lambda i: (i[0], i[1], -i[2])):
-            while stack and stack[-1][0] < ts:
-                stack.pop()
+            stack = [s for s in stack if s[0] >= ts]  # not only the top: a profiler's intervals may overlap
             if cat != "launch":
                 stack.append((finish, name, cat))
                 continue
@@ -287,8 +284,6 @@ def run_ours(args, shape):
         argv.append("--compile-blocks")
     if args.no_gradient_accumulation_fusion:
         argv.append("--no-gradient-accumulation-fusion")
-    if args.gemm_epilogues:
-        argv.append("--gemm-epilogues")
     if args.attention_variant:
         from megatron.model import attention
         variant = ATTENTION_VARIANTS[args.attention_variant]

@@ -197,16 +197,8 @@ at::Tensor cross_entropy_backward_op(const at::Tensor& grad_loss, at::Tensor log
 }  // namespace
 }  // namespace megatron_fused
 
-#ifndef MEGATRON_NO_GEMM_EPILOGUES
-namespace megatron_fused {  // gemm_epilogue.cpp
-std::vector<at::Tensor> gemm_bias_gelu_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
-std::vector<at::Tensor> gemm_dgelu_bgrad_op(const at::Tensor& grad, const at::Tensor& weight, const at::Tensor& pre);
-}  // namespace megatron_fused
-#endif
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm, cross entropy, "
-            "cuBLASLt GEMM epilogues)";
+  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm, cross entropy)";
   m.attr("max_row_length") = megatron_fused::kMaxRowLength;
   m.def("alibi_softmax_forward", &megatron_fused::alibi_softmax_forward_op, "ALiBi softmax forward",
         py::arg("scores"), py::arg("slopes"), py::arg("scale"), py::arg("mask") = py::none(), py::arg("causal") = true);
@@ -221,11 +213,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &megatron_fused::cross_entropy_backward_op, "cross entropy backward",
         py::arg("grad_loss"), py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("vocab_start"),
         py::arg("total_vocab"), py::arg("ignore_index"), py::arg("inplace"));
-#ifndef MEGATRON_NO_GEMM_EPILOGUES
-  m.def("gemm_bias_gelu", &megatron_fused::gemm_bias_gelu_op,
-        "[gelu_tanh(x w^T + b), x w^T + b]: cuBLASLt GELU_AUX_BIAS", py::arg("x"), py::arg("weight"), py::arg("bias"));
-  m.def("gemm_dgelu_bgrad", &megatron_fused::gemm_dgelu_bgrad_op,
-        "[gelu_tanh'(pre) * (grad w), its column sums]: cuBLASLt DGELU_BGRAD", py::arg("grad"), py::arg("weight"),
-        py::arg("pre"));
-#endif
 }

@@ -14,8 +14,7 @@ logger = logging.getLogger(__name__)
 
 ABORT_FLAG = "--abort-on-unmet-fused-kernel-constraints"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused_kernels"
-EPILOGUE_SOURCE = "gemm_epilogue.cpp"
-SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu", EPILOGUE_SOURCE)
+SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu")
 HEADERS = ("fused_kernels.h", "common.cuh")
 
 
@@ -73,23 +72,6 @@ def arch_flags() -> list:
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{arch},code=compute_{arch}"]
 
 
-def cublaslt_ldflags() -> list:
-    """Linker flags for cuBLASLt (the GEMM epilogues): the library torch loads (the nvidia-cublas wheel's, or the
-    CUDA toolkit's), by its versioned name where no unversioned link exists."""
-    import glob
-    import site
-    from torch.utils.cpp_extension import CUDA_HOME
-    roots = [os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages() + [site.getusersitepackages()]
-    wheel_dirs = [os.path.join(d, "nvidia", "cublas", "lib") for d in roots]
-    toolkit_dirs = [os.path.join(CUDA_HOME, sub) for sub in ("lib64", "lib")] if CUDA_HOME else []
-    for folder in wheel_dirs + toolkit_dirs:
-        found = sorted(glob.glob(os.path.join(folder, "libcublasLt.so*")), key=len)
-        if found:
-            name = os.path.basename(found[0])
-            return [f"-L{folder}", "-lcublasLt" if name == "libcublasLt.so" else f"-l:{name}"]
-    return ["-lcublasLt"]
-
-
 def _unavailable_reason() -> Optional[str]:
     """Why the kernels cannot be built on this machine at all, or None if they can be tried."""
     if not torch.cuda.is_available():
@@ -105,25 +87,21 @@ def _unavailable_reason() -> Optional[str]:
     return None
 
 
-def _build(gemm_epilogues=True):
-    """Compiles (or loads from the cache) the extension; returns the module. Raises on failure. Without
-    gemm_epilogues: every kernel but the cuBLASLt GEMM epilogues (no cuBLASLt link)."""
+def _build():
+    """Compiles (or loads from the cache) the extension; returns the module. Raises on failure."""
     from torch.utils import cpp_extension
 
     from megatron.fused_kernels.build_env import pin_ninja
     pin_ninja()  # one ninja per environment: another one's .ninja_log format rebuilds everything
-    name = f"megatron_fused_kernels_{source_hash()}" + ("" if gemm_epilogues else "_no_gemm_epilogues")
+    name = f"megatron_fused_kernels_{source_hash()}"
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    sources = SOURCES if gemm_epilogues else tuple(s for s in SOURCES if s != EPILOGUE_SOURCE)
-    defines = [] if gemm_epilogues else ["-DMEGATRON_NO_GEMM_EPILOGUES"]
     return cpp_extension.load(
         name=name,
-        sources=[str(SOURCE_DIR / s) for s in sources],
+        sources=[str(SOURCE_DIR / s) for s in SOURCES],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", "-std=c++17"] + defines,
+        extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + arch_flags(),
-        extra_ldflags=cublaslt_ldflags() if gemm_epilogues else [],
         verbose=False,
     )
 
@@ -182,19 +160,10 @@ def _attempt_build():
 
 
 def _try_build():
-    """(module, None) or (None, reason). A build that fails with the GEMM epilogues (cuBLASLt) is retried without
-    them, so that the other kernels still serve; the module then lacks gemm_bias_gelu (one warning says why)."""
-    errors = (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError)
     try:
         return _build(), None
-    except errors as exc:
-        failure = _summarise_build_error(exc)
-    try:
-        module = _build(gemm_epilogues=False)
-    except errors:
-        return None, failure
-    logger.warning("fused kernels built without the cuBLASLt GEMM epilogues (%s); the MLP runs unfused", failure)
-    return module, None
+    except (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError) as exc:
+        return None, _summarise_build_error(exc)
 
 
 def _summarise_build_error(exc: BaseException) -> str:

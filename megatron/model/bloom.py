@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import tensor_parallel
-from megatron.fused_kernels import elementwise, gemm_epilogue
+from megatron.fused_kernels import elementwise
 from megatron.model import attention, cudnn_attention
 from megatron.model.alibi import get_alibi_slopes_for_rank
 from megatron.model.attention import CoreAttention
@@ -150,37 +150,14 @@ class ParallelMLP(nn.Module):
             config.ffn_dim, config.hidden_size, input_is_parallel=True,
             init_method=normal_init(std / math.sqrt(2.0 * config.num_layers)), tp_group=tp_group,
             gradient_accumulation_fusion=fuse)
-        self.gemm_epilogues = config.gemm_epilogues
-        self.epilogues_ready = False
-
-    def serves_epilogues(self, x):
-        """Whether forward_epilogues serves inputs like x: config.gemm_epilogues and the csrc epilogues available
-        for its device and dtype. Decided in eager code (BloomBlock decides before its compiled region) and read
-        as a constant by a compiled trace."""
-        if not torch.compiler.is_compiling():
-            self.epilogues_ready = self.gemm_epilogues and gemm_epilogue.available(x)
-        return self.epilogues_ready
 
     def forward(self, x, fused=False):
         """fused: the output without its bias (self.dense_4h_to_h.bias, for the block's fused region), h -> 4h's
-        bias added inside the fused bias + GeLU (or the GEMM epilogue)."""
-        if self.training and self.serves_epilogues(x):
-            return self.forward_epilogues(x, add_bias=not fused)
+        bias added inside the fused bias + GeLU."""
         if fused:
             h = self.dense_h_to_4h(x, add_bias=False)  # (B, S, F/p)
             return self.dense_4h_to_h(elementwise.bias_gelu(h, self.dense_h_to_4h.bias), add_bias=False)
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
-
-    def forward_epilogues(self, x, add_bias=True):
-        """The same MLP with h -> 4h's bias + GeLU in its GEMM's epilogue and, in backward, GeLU's gradient and that
-        bias's gradient in the 4h -> h input-gradient GEMM's (tensor_parallel.gelu_mlp)."""
-        up, down = self.dense_h_to_4h, self.dense_4h_to_h
-        if up.tp_size > 1:
-            x = tensor_parallel.copy_to_tensor_model_parallel_region(x, up.tp_group)
-        y = tensor_parallel.gelu_mlp(x, up.weight, up.bias, down.weight, up.gradient_accumulation_fusion)
-        if down.tp_size > 1:
-            y = tensor_parallel.reduce_from_tensor_model_parallel_region(y, down.tp_group)
-        return y + down.bias if add_bias else y
 
 
 class BloomBlock(nn.Module):
@@ -217,7 +194,6 @@ class BloomBlock(nn.Module):
                 and not hasattr(self.post_attention_layernorm.weight, "ds_id")):
             graph_attention = self.compiled_block_inputs(x, key_padding_mask)
             if graph_attention is not None:
-                self.mlp.serves_epilogues(x)
                 return compiled_block()(self, x, graph_attention)
             if self.fused_elementwise:
                 return self.forward_fused(x, key_padding_mask)

@@ -12,7 +12,7 @@ document's run): its gradient norm, its loss scaling and the host synchronizatio
 - The synchronizations: the step tested each gradient for inf/NaN with a host synchronization per parameter (293
   for the document's model), then measured the norm with three kernels per parameter and two more syncs: the
   device sat idle ~120 ms of a 1.4 s step on an H200 (tools/benchmark_training.py --gaps). The norm is now one
-  multi-tensor reduction and one sync, and it is the overflow test: a gradient with an inf or a NaN makes the norm
+  multi-tensor reduction per parameter group and one sync for all groups, and it is the overflow test: a gradient with an inf or a NaN makes the norm
   non-finite, which the step already treats as an overflow (the same skip, the same loss-scale update, on every
   rank: the norm is summed over the model-parallel group as the test was). The unscale of the fp32 gradients is one
   multi-tensor multiply, and none when the scale is 1 (bf16 without clipping). The step's two per-parameter copies
@@ -63,24 +63,35 @@ def gradient_norm(grads, norm_type=2, mpu=None):
     """DeepSpeed's get_weight_norm (the 2-norm of `grads` over the model-parallel group, -1 when not finite; a
     replicated gradient counts on TP rank 0 only, the pipeline's replicated copy not at all) with one
     multi-tensor reduction and one host synchronization instead of three kernels per gradient and two syncs."""
-    import deepspeed.comm as dist
-    from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank, get_weight_norm, is_model_parallel_parameter
-
+    from deepspeed.runtime.utils import get_weight_norm
     if norm_type != 2 or isinstance(grads, torch.Tensor):
         return get_weight_norm(grads, norm_type, mpu)
+    return group_norms([grads], mpu)[0]
+
+
+def group_norms(groups, mpu=None):
+    """gradient_norm of each list of gradients in `groups`, all read back in one host synchronization (and, with
+    an mpu, one all-reduce): the step's parameter groups cost one sync, not one each."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank, is_model_parallel_parameter
+
+    if not groups:
+        return []
     tp_rank = bwc_tensor_model_parallel_rank(mpu=mpu)
-    kept = [g for g in grads if not getattr(g, "ds_pipe_replicated", False)
-            and (tp_rank == 0 or is_model_parallel_parameter(g))]
-    if kept:
-        total = torch.stack(torch._foreach_norm(kept, 2, dtype=torch.float32)).square().sum()
-    else:
-        from deepspeed.accelerator import get_accelerator
-        total = torch.zeros((), dtype=torch.float32, device=get_accelerator().current_device_name())
+    totals = []
+    for grads in groups:
+        kept = [g for g in grads if not getattr(g, "ds_pipe_replicated", False)
+                and (tp_rank == 0 or is_model_parallel_parameter(g))]
+        if kept:
+            totals.append(torch.stack(torch._foreach_norm(kept, 2, dtype=torch.float32)).square().sum())
+        else:
+            totals.append(torch.zeros((), dtype=torch.float32, device=get_accelerator().current_device_name()))
+    total = torch.stack(totals)
     if mpu is not None:
-        total = total.reshape(1)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
-    norm = total.item() ** 0.5
-    return norm if math.isfinite(norm) else -1
+    norms = [value ** 0.5 for value in total.tolist()]
+    return [norm if math.isfinite(norm) else -1 for norm in norms]
 
 
 def _patch_step():
@@ -141,10 +152,10 @@ def multi_tensor_step(self, closure=None):
     self.overflow = self.overflow_checker.check()
     if self.overflow:
         return self._skip_invalid_grad_norm()
-    norm_groups = []
+    grads_for_norms = []
     for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
         grads_for_norm, _ = unfused.split_params_grads_into_shared_and_expert_params(fp16_group)
-        norm_groups.append(unfused.get_weight_norm(grads_for_norm, mpu=self.mpu) if grads_for_norm else 0.0)
+        grads_for_norms.append(grads_for_norm)
         sources, targets = [], []
         for fp32_param, fp16_param in zip(fp32_group, fp16_group):
             if fp16_param.grad is None:
@@ -155,6 +166,8 @@ def multi_tensor_step(self, closure=None):
                 targets.append(fp32_param.grad)
         if targets:
             torch._foreach_copy_(targets, sources)
+    measured = iter(group_norms([g for g in grads_for_norms if g], mpu=self.mpu))
+    norm_groups = [next(measured) if g else 0.0 for g in grads_for_norms]
     self._global_grad_norm = unfused.get_global_norm(norm_list=norm_groups)
     if unfused.is_invalid_grad_norm(self._global_grad_norm):
         return self._skip_invalid_grad_norm()

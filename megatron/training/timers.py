@@ -12,7 +12,8 @@ did not have to wait for shows up as ~0, a collective the stream waited on shows
     forward-compute     the forward pass (including the TP collectives inside it)
     backward-compute    the backward pass (including its TP collectives), without the DP gradient reduction
     grads-all-reduce    DeepSpeed's data-parallel gradient reduction (engine.allreduce_gradients; the pipeline
-                        engine's ReduceGrads / ReduceTiedGrads instructions)
+                        engine's ReduceGrads / ReduceTiedGrads instructions); absent at one data-parallel rank
+                        and ZeRO 0, where the reduction is an identity and is skipped (training/engine.py)
     pipeline-send-recv  the pipeline engine's Send/Recv Activation/Grad instructions: transfers and the waits for
                         the neighbouring stage (the bubble)
     optimizer           engine.step (ZeRO's partition all-gather included)

@@ -87,3 +87,36 @@ def test_the_multi_tensor_step_equals_deepspeeds_step_and_fp32_adamw(dtype, clip
     for master, low, ref in zip(ours_masters, ours_low, reference):
         torch.testing.assert_close(master, ref, rtol=1e-6, atol=1e-7)
         assert torch.equal(low, master.to(dtype))
+
+
+def test_group_norms_read_every_group_back_in_one_synchronization(monkeypatch):
+    """group_norms: each group's norm as gradient_norm gives it (-1 for a non-finite one), all read back by one
+    tolist() of the stacked totals; the step's two parameter groups use it (multi_tensor_step equals DeepSpeed's
+    step, which measures each group apart, with the weight-decay split of the real param groups)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from megatron.optimizer import unfused
+    first, second = grads(torch.bfloat16), grads(torch.float32)
+    bad = grads(torch.float16)
+    bad[1][3] = float("nan")
+    expected = [gradient_norm(first), gradient_norm(second), gradient_norm(bad)]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    assert unfused.group_norms([first, second, bad]) == expected and expected[2] == -1
+    assert reads == [torch.Size([3])]
+    monkeypatch.undo()
+
+    deepspeed_step = getattr(FP16_UnfusedOptimizer.step, "deepspeed_step", FP16_UnfusedOptimizer.step)
+    optimizers = []
+    for _ in range(2):
+        opt, low, masters = unfused_optimizer(torch.bfloat16, 1.0)
+        opt.fp16_groups, opt.fp32_groups = [low[:2], low[2:]], [masters[:2], masters[2:]]
+        opt.optimizer = torch.optim.AdamW([{"params": masters[:2]}, {"params": masters[2:], "weight_decay": 0.0}],
+                                          lr=1e-2, weight_decay=0.1)
+        optimizers.append((opt, low + masters))
+    (ours, ours_tensors), (theirs, theirs_tensors) = optimizers
+    assert unfused.multi_tensor_step(ours) is False and deepspeed_step(theirs) is False
+    assert ours._global_grad_norm == theirs._global_grad_norm > 1.0  # clipped
+    for a, b in zip(ours_tensors, theirs_tensors):
+        assert torch.equal(a, b)

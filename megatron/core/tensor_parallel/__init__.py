@@ -4,7 +4,7 @@ Every entry point takes the tensor-parallel group explicitly (`tp_group=` for mo
 a torch.distributed ProcessGroup, or None for no tensor parallelism. None of them reads parallel_state's global.
 """
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.grad_accumulation import (embedding_with_grad_accumulation, gelu_mlp,
+from megatron.core.tensor_parallel.grad_accumulation import (embedding_with_grad_accumulation,
                                                               linear_with_grad_accumulation)
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                   set_tensor_model_parallel_attributes)

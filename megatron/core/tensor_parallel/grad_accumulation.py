@@ -11,8 +11,7 @@ to None, which autograd handles as before: it keeps the first gradient without a
                                      CUDA kernel sums each row's duplicates in fp32 and adds them once,
                                      deterministically), where autograd builds a dense V x H gradient and adds it
 
-and autograd gets None for W. gelu_mlp is the MLP's two GEMMs as one function (GeLU and the first bias's gradient in
-the GEMMs' cuBLASLt epilogues), with the same accumulation into each weight's `.grad`. The choice is made in forward, by whether `.grad` exists, so a torch.compile'd region
+and autograd gets None for W. The choice is made in forward, by whether `.grad` exists, so a torch.compile'd region
 (--compile-blocks) holds it as a guard (one graph for the first micro batch, one for the others): the GEMM into
 `.grad` is the custom op megatron::wgrad_accumulate_, which inductor calls in place on the `.grad` input of the
 backward graph, with no graph break and no copy.
@@ -35,8 +34,6 @@ index_put_, where autograd rounds dW and then the sum: equal up to that rounding
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-
-import megatron.fused_kernels.gemm_epilogue  # noqa: F401  (registers megatron::gemm_bias_gelu / gemm_dgelu_bgrad)
 
 
 @torch.library.custom_op("megatron::wgrad_accumulate_", mutates_args=("grad",))
@@ -71,48 +68,6 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         db = dy.sum(dim=tuple(range(dy.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         torch.ops.megatron.wgrad_accumulate_(ctx.grad, _flat(dy), _flat(x))
         return dx, None, db, None
-
-
-def _weight_grad(grad, dy, x):
-    """dy^T x added into grad by the GEMM (returns None for autograd), or returned where grad is None."""
-    if grad is None:
-        return dy.t().mm(x)
-    torch.ops.megatron.wgrad_accumulate_(grad, dy, x)
-    return None
-
-
-class _GeluMLP(torch.autograd.Function):
-    """y = gelu_tanh(x W1^T + b1) W2^T through the GEMM-epilogue ops (megatron.fused_kernels.gemm_epilogue).
-
-    Saves x and the pre-activation only, as the unfused block does under torch.compile (the GeLU output is
-    recomputed in backward for W2's gradient); the weight gradients are added into grad1 / grad2 where given."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, grad1, grad2):
-        x2 = _flat(x)
-        act, pre = torch.ops.megatron.gemm_bias_gelu(x2, w1, b1)
-        ctx.save_for_backward(x2, w1, w2, pre)
-        ctx.grads, ctx.shape = (grad1, grad2), x.shape
-        return act.mm(w2.t()).view(*x.shape[:-1], w2.shape[0])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x2, w1, w2, pre = ctx.saved_tensors
-        grad1, grad2 = ctx.grads
-        dy2 = _flat(dy)
-        grad_pre, db1 = torch.ops.megatron.gemm_dgelu_bgrad(dy2, w2, pre)
-        dw2 = _weight_grad(grad2, dy2, F.gelu(pre, approximate="tanh"))
-        dw1 = _weight_grad(grad1, grad_pre, x2)
-        dx = grad_pre.mm(w1).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        return dx, dw1, db1, dw2, None, None
-
-
-def gelu_mlp(x, w1, b1, w2, fuse=True):
-    """F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2) with the GeLU, its gradient and b1's gradient
-    in the GEMMs' epilogues; each weight gradient added into its .grad by its GEMM where fusable()."""
-    return _GeluMLP.apply(x, w1, b1, w2, w1.grad if fusable(w1, fuse) else None,
-                          w2.grad if fusable(w2, fuse) else None)
 
 
 class _EmbeddingWithGradAccumulation(torch.autograd.Function):
