@@ -247,6 +247,12 @@ def per_round(rounds, server=None):
            "steps_per_round": rounds["decode_steps"] / n}
     for key in ("launch", "wait", "read", "device", "device_gap"):
         row[f"{key}_ms"] = rounds[f"{key}_s"] * 1e3 / n
+    prefills, decodes = rounds["prefill_rounds"], rounds["rounds"] - rounds["prefill_rounds"]
+    row["prefill_launch_ms"] = rounds["prefill_launch_s"] * 1e3 / max(prefills, 1)
+    row["slow_step_launches"] = rounds["slow_step_launches"]
+    row["slow_step_launch_ms"] = rounds["slow_step_launch_s"] * 1e3
+    row["prefill_device_ms"] = rounds["prefill_device_s"] * 1e3 / max(prefills, 1)
+    row["decode_device_ms"] = (rounds["device_s"] - rounds["prefill_device_s"]) * 1e3 / max(decodes, 1)
     row["host_ms"] = server["host_s"] * 1e3 / n if server else None
     row["loop_us_per_id"] = server["deliver_s"] * 1e6 / max(server["delivered_ids"], 1) if server else None
     return row
@@ -419,15 +425,21 @@ def health(port):
 
 
 def print_rounds(rows, device_timing):
+    from megatron.inference.engine import SLOW_STEP_LAUNCH_S
+    slow_ms = SLOW_STEP_LAUNCH_S * 1e3
     """The per-round table: where each concurrency's time went, engine alone and server."""
     if not rows:
         return
     print("per engine round (ms): launch = the engine thread queueing the round's device work, wait = blocked on "
           "the device, read = reading its results; host = the server's engine thread between rounds; device = the "
           "GPU's time per round and gap = the GPU idle between rounds, waiting for the host (CUDA timing events); "
-          "loop = the event loop's us per generated id (ids -> text events)")
+          "loop = the event loop's us per generated id (ids -> text events); pf launch = the host's time admitting "
+          "and prefilling, per prefill round; slow = decode steps whose launch took the host over "
+          f"{slow_ms:g} ms (count, their ms in all); pf dev / dec dev = the device's time per round with "
+          "a prefill / without")
     print(f"{'clients':>7} {'side':>6} {'rounds':>6} {'prefill':>7} {'rows/pf':>7} {'steps':>5} {'launch':>7} "
-          f"{'wait':>7} {'read':>6} {'host':>6} {'device':>7} {'gap':>6} {'loop':>6}")
+          f"{'wait':>7} {'read':>6} {'host':>6} {'device':>7} {'gap':>6} {'loop':>6} {'pf launch':>9} "
+          f"{'slow':>11} {'pf dev':>7} {'dec dev':>7}")
 
     def ms(value, width, digits=2):
         return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
@@ -439,7 +451,10 @@ def print_rounds(rows, device_timing):
                   f"{r['admitted_per_prefill']:>7.1f} {r['steps_per_round']:>5.1f} {ms(r['launch_ms'], 7)} "
                   f"{ms(r['wait_ms'], 7)} {ms(r['read_ms'], 6)} {ms(r['host_ms'], 6)} "
                   f"{ms(r['device_ms'] if device_timing else None, 7)} "
-                  f"{ms(r['device_gap_ms'] if device_timing else None, 6)} {ms(r['loop_us_per_id'], 6, 1)}")
+                  f"{ms(r['device_gap_ms'] if device_timing else None, 6)} {ms(r['loop_us_per_id'], 6, 1)} "
+                  f"{ms(r['prefill_launch_ms'], 9)} {r['slow_step_launches']:>4d} {r['slow_step_launch_ms']:>6.1f} "
+                  f"{ms(r['prefill_device_ms'] if device_timing else None, 7)} "
+                  f"{ms(r['decode_device_ms'] if device_timing else None, 7)}")
 
 
 def wait_healthy(port, deadline):

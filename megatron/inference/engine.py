@@ -10,8 +10,9 @@ step(n, overlap=True) keeps one round in flight (vLLM's async scheduling): it la
 prefill, n decode steps, the read-back copy) before it reads round k's results, so the device runs round k+1 while
 the host turns round k's ids into text. A row that finished in round k runs round k+1 as a done row (its output
 and cache untouched), which is all overlapping costs. `stats` counts rounds, prefills and the time the host spent
-launching and waiting (and on CUDA, from timing events, the device's time per round and its idle gaps between
-rounds).
+launching and waiting (the prefills' share of the launch time, and the decode steps whose launch took the host
+longer than SLOW_STEP_LAUNCH_S), and on CUDA, from timing events, the device's time per round (that of rounds with
+a prefill apart) and its idle gaps between rounds.
 
 A request takes a free slot of the cache when it is admitted (prefill, the LM head on its last position only,
 chunked for long prompts), then decodes one token per step together with every other running request; it leaves
@@ -52,6 +53,8 @@ from megatron.inference.sampling import SamplingParams, sample_rows
 
 logger = logging.getLogger(__name__)
 
+SLOW_STEP_LAUNCH_S = 2e-3  # stats: decode steps whose host launch took longer than this (a stall, not the norm)
+
 
 @dataclass(eq=False)
 class Request:
@@ -83,6 +86,7 @@ class Round:
     start: object = None  # CUDA timing events: before the round's first work,
     end: object = None  # after its copy,
     previous_end: object = None  # and after the round before, when the engine had work in between
+    prefilled: bool = False  # the round admitted (prefilled) rows
 
 
 def _buckets(limit):
@@ -166,7 +170,8 @@ class InferenceEngine:
         self._in_flight = None  # the Round that step(overlap=True) left running
         self._last_end = None  # the latest round's end event while the engine has work (CUDA)
         self.stats = {"rounds": 0, "prefill_rounds": 0, "admitted": 0, "decode_steps": 0, "launch_s": 0.0,
-                      "wait_s": 0.0, "read_s": 0.0, "device_s": 0.0, "device_gap_s": 0.0}
+                      "prefill_launch_s": 0.0, "slow_step_launches": 0, "slow_step_launch_s": 0.0, "wait_s": 0.0,
+                      "read_s": 0.0, "device_s": 0.0, "prefill_device_s": 0.0, "device_gap_s": 0.0}
 
     def _init_slot_state(self):
         b, dev = self.max_batch + 1, self.device  # + the scratch slot (always done)
@@ -249,24 +254,31 @@ class InferenceEngine:
         if timing and (self.running or self.waiting and self._free):
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+        stats = self.stats
         admitted = self._admit()
         first = self._read_first(admitted) if admitted else None
+        prefill_end = time.perf_counter()
         steps = 0
         if self.running:
             steps = min(num_steps, max(r.params.max_new_tokens - r._host_count for r in self.running.values()))
             for _ in range(steps):
+                step_begin = time.perf_counter()
                 self._decode_step()
+                took = time.perf_counter() - step_begin
+                if took > SLOW_STEP_LAUNCH_S:  # a decode step that took the host this long to queue stalls the device
+                    stats["slow_step_launches"] += 1
+                    stats["slow_step_launch_s"] += took
         if not admitted and steps <= 0:
             return None
         launched = self._read_back()
-        launched.first = first
+        launched.first, launched.prefilled = first, bool(admitted)
         if timing:
             launched.start, launched.previous_end = start, self._last_end
             launched.end = self._last_end = torch.cuda.Event(enable_timing=True)
             launched.end.record()
-        stats = self.stats
         stats["rounds"] += 1
         stats["prefill_rounds"] += bool(admitted)
+        stats["prefill_launch_s"] += (prefill_end - begin) if admitted else 0.0
         stats["admitted"] += len(admitted)
         stats["decode_steps"] += max(steps, 0)
         stats["launch_s"] += time.perf_counter() - begin
@@ -586,7 +598,9 @@ class InferenceEngine:
                 finished.append(request)
         stats = self.stats
         if launched.end is not None:
-            stats["device_s"] += launched.start.elapsed_time(launched.end) / 1e3
+            device_s = launched.start.elapsed_time(launched.end) / 1e3
+            stats["device_s"] += device_s
+            stats["prefill_device_s"] += device_s if launched.prefilled else 0.0
             if launched.previous_end is not None:
                 stats["device_gap_s"] += launched.previous_end.elapsed_time(launched.start) / 1e3
         stats["wait_s"] += read - begin

@@ -96,3 +96,4 @@ def test_overlapped_rounds_equal_synchronous_ones_on_the_device(graph_step):
             outputs.append([r.output for r in requests])
         assert outputs[0] == outputs[1]
         assert eng.stats["prefill_rounds"] >= 2 and eng.stats["admitted"] == 8 and eng.stats["device_s"] > 0
+        assert 0 < eng.stats["prefill_device_s"] < eng.stats["device_s"]  # rounds without a prefill ran too

@@ -166,6 +166,42 @@ def test_gumbel_sampling_follows_the_distribution():
     assert torch.allclose(share, expected, atol=0.02), (share, expected)
 
 
+def test_round_counters_time_the_prefill_and_count_slow_step_launches(pair, monkeypatch):
+    """stats: the launch time of prefill rounds' admissions and the decode steps whose launch took the host longer
+    than SLOW_STEP_LAUNCH_S, checked against known delays (a 40 ms admission, 30 ms in the third decode step)."""
+    import time
+
+    from megatron.inference import engine as engine_module
+
+    eng = engine(pair[1], max_batch_size=2)
+    admit, decode_step, steps = eng._admit, eng._decode_step, [0]
+
+    def slow_admit():
+        admitted = admit()
+        if admitted:
+            time.sleep(0.04)
+        return admitted
+
+    def third_step_slow():
+        decode_step()
+        steps[0] += 1
+        if steps[0] == 3:
+            time.sleep(0.03)
+
+    monkeypatch.setattr(eng, "_admit", slow_admit)
+    monkeypatch.setattr(eng, "_decode_step", third_step_slow)
+    monkeypatch.setattr(engine_module, "SLOW_STEP_LAUNCH_S", 0.02)
+    eng.add_request([5, 9, 3], SamplingParams(greedy=True, max_new_tokens=6))
+    while eng.has_work():
+        eng.step(2)
+    stats = eng.stats
+    assert (stats["rounds"], stats["prefill_rounds"], stats["decode_steps"]) == (3, 1, 5)
+    assert 0.04 <= stats["prefill_launch_s"] <= stats["launch_s"] - 0.03
+    assert stats["slow_step_launches"] == 1
+    assert 0.03 <= stats["slow_step_launch_s"] <= stats["launch_s"] - stats["prefill_launch_s"]
+    assert stats["prefill_device_s"] == stats["device_s"] == 0.0  # timing events on CUDA only
+
+
 def test_overlapped_rounds_and_early_first_tokens_give_the_solo_outputs(pair):
     """step(overlap=True) reads round k after launching round k+1, first_tokens() hands the rows round k+1 admitted
     their first token before it is read; rows that join, finish mid-round or are cancelled meanwhile keep their
