@@ -50,6 +50,7 @@ import torch
 
 from megatron.inference.kv_cache import StaticKVCache
 from megatron.inference.sampling import SamplingParams, sample_rows
+from megatron.model.attention import plan_free_attention
 
 logger = logging.getLogger(__name__)
 
@@ -387,8 +388,9 @@ class InferenceEngine:
         for row, tokens in enumerate(token_lists):
             ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         self.cache.set_prefill(slots, start, width, self.dtype)
-        try:
-            return self.model.hidden_states(ids.to(self.device), cache=self.cache)
+        try:  # every group size and width is a new shape: no per-shape cuDNN plan on the serving path
+            with plan_free_attention(self.device):
+                return self.model.hidden_states(ids.to(self.device), cache=self.cache)
         finally:
             self.cache.clear()
 

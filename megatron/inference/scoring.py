@@ -25,6 +25,7 @@ from torch import nn
 
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import ParallelState
+from megatron.model.attention import plan_free_attention
 
 HEAD_CHUNK = 2048  # positions per LM-head pass: bounds the (N, V) fp32 logits alive at once
 PREFIX_BUCKET = 16  # prefix widths are padded to a multiple of this: few distinct shapes, each warmed up once
@@ -33,16 +34,6 @@ SUFFIX_BUCKET = 4
 
 def _bucket(n, size):
     return -(-n // size) * size
-
-
-def attention_kernels(device):
-    """SDPA without its cuDNN backend on CUDA: cuDNN builds an execution plan for every new shape (evaluation's
-    shapes vary per batch), the memory-efficient kernel takes the ALiBi bias as it is."""
-    import contextlib
-    if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @dataclasses.dataclass
@@ -229,7 +220,7 @@ class Scorer:
             spans = [(len(p) - 1, list(c)) for p, conts in groups for c in conts]
             flat = iter(self.score(rows, spans, top_n))
             return [[next(flat) for _ in conts] for _, conts in groups]
-        with attention_kernels(self.device):
+        with plan_free_attention(self.device):
             return self._score_shared(groups, top_n)
 
     def _score_shared(self, groups, top_n):
@@ -290,7 +281,7 @@ class Scorer:
             row_index += [i] * len(tgt)
             positions += range(start, start + len(tgt))
             targets += list(tgt)
-        with attention_kernels(self.device):
+        with plan_free_attention(self.device):
             hidden = self._hidden(ids.to(self.device))
         if self.last and targets:
             sel = hidden[torch.tensor(row_index, device=self.device), torch.tensor(positions, device=self.device)]
@@ -309,7 +300,7 @@ class Scorer:
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        with attention_kernels(self.device):
+        with plan_free_attention(self.device):
             hidden = self._hidden(ids.to(self.device))
         vocab = self.vocab_limit
         out = None
