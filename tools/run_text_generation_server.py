@@ -122,8 +122,10 @@ def build(args):
     engine.warmup(every_bucket=True)  # every (batch, kv length) bucket up to --max-batch-size and the context
     log = logging.getLogger(__name__)
     if engine.cuda_graphs:
-        log.info("captured %d decode graphs (batch buckets up to --max-batch-size %d, kv lengths up to %d) in "
-                 "%.1f s", len(engine.decode_buckets()), args.max_batch_size, context, time.perf_counter() - start)
+        log.info("captured %d decode graphs (batch buckets up to --max-batch-size %d, kv lengths up to %d) and %d "
+                 "prefill graphs (up to --prefill-graph-tokens %d) in %.1f s", len(engine.decode_buckets()),
+                 args.max_batch_size, context, len(engine.prefill_buckets()), engine.prefill_graph_tokens,
+                 time.perf_counter() - start)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.load))
     settings = ServerSettings(model_name=name, max_new_tokens=limit, api_key=args.api_key,
                               steps_per_sync=args.steps_per_sync, max_body_bytes=args.max_body_bytes,

@@ -23,6 +23,14 @@ Per decode step the device holds all per-row state (next input token, position, 
 parameters) and the generated tokens, so `step(num_steps=n)` runs n steps with no host synchronisation and copies
 results to the host once. On CUDA each decode step shape is captured once as a CUDA graph and replayed.
 
+Prefill graphs (prefill_graph_tokens): an admitted group is padded to a bucket, rows to the next batch bucket (the
+padding rows write the scratch slot) and width to the next power of two from MIN_PREFILL_WIDTH (right padding: a
+row's real queries see only its earlier real keys, and decode overwrites the padding positions before any query
+sees them), and when rows x width <= prefill_graph_tokens the group's forward up to each row's last hidden state is
+one CUDA graph replay: the eager prefill is ~32 host-side ops per layer (10-15 ms for 24 layers), longer than the
+device's work for short prompts, and it competes for the GIL with a server's event loop. Groups are formed so they
+fit a bucket; longer prompts prefill eagerly.
+
 Two decode paths (`decode=`):
     fused    (default at TP 1) megatron/inference/decode.py's step: the blocks' maths in a few segments (fused by
              torch.compile with compile_mode=...) around a Triton attention kernel that writes the new key/value
@@ -55,6 +63,8 @@ from megatron.model.attention import plan_free_attention
 logger = logging.getLogger(__name__)
 
 SLOW_STEP_LAUNCH_S = 2e-3  # stats: decode steps whose host launch took longer than this (a stall, not the norm)
+PREFILL_GRAPH_TOKENS = 2048  # default bound of a graphed prefill's padded tokens (rows bucket x width bucket)
+MIN_PREFILL_WIDTH = 16  # the narrowest prefill width bucket
 
 
 @dataclass(eq=False)
@@ -111,11 +121,14 @@ class InferenceEngine:
     torch.compile mode ("default", "max-autotune-no-cudagraphs"); decode_attention: "triton" or "torch"
     (default: triton on CUDA). graph_step: the whole step (state update included) in the CUDA graph (default
     False). gemm: the fused step's GEMMs, "torch" (default), "triton" or "auto" (timed per shape).
+    prefill_graph_tokens: the largest padded prefill (rows bucket x width bucket) run as a CUDA graph (default
+    PREFILL_GRAPH_TOKENS with cuda_graphs, else 0: no padding); without CUDA graphs a positive value pads the same
+    way and runs eagerly.
     """
 
     def __init__(self, model, max_batch_size=8, max_seq_len=None, eod_id=None, vocab_limit=None,
                  prefill_chunk=2048, cuda_graphs=None, kv_bucket=256, sync_tokens=None, decode=None,
-                 compile_mode=None, decode_attention=None, graph_step=None, gemm=None):
+                 compile_mode=None, decode_attention=None, graph_step=None, gemm=None, prefill_graph_tokens=None):
         config = model.config
         self.model = model
         self.device = next(model.parameters()).device
@@ -162,6 +175,12 @@ class InferenceEngine:
         self._graphs = {}
         self._pool = None
         self._batch_buckets = _buckets(max_batch_size)
+        if prefill_graph_tokens is None:
+            prefill_graph_tokens = PREFILL_GRAPH_TOKENS if cuda_graphs else 0
+        self.prefill_graph_tokens = prefill_graph_tokens
+        widest = min(self.max_seq_len, prefill_chunk)
+        self._width_buckets = sorted({min(MIN_PREFILL_WIDTH << k, widest) for k in range(max(1, widest.bit_length()))
+                                      if (MIN_PREFILL_WIDTH << k) // 2 < widest})
         self._order = []  # the running slots in the fused step's row order
         self._order_dirty = False
         self.scratch = max_batch_size
@@ -172,7 +191,8 @@ class InferenceEngine:
         self._last_end = None  # the latest round's end event while the engine has work (CUDA)
         self.stats = {"rounds": 0, "prefill_rounds": 0, "admitted": 0, "decode_steps": 0, "launch_s": 0.0,
                       "prefill_launch_s": 0.0, "slow_step_launches": 0, "slow_step_launch_s": 0.0, "wait_s": 0.0,
-                      "read_s": 0.0, "device_s": 0.0, "prefill_device_s": 0.0, "device_gap_s": 0.0}
+                      "read_s": 0.0, "device_s": 0.0, "prefill_device_s": 0.0, "device_gap_s": 0.0,
+                      "prefill_passes": 0, "prefill_bucketed": 0}
 
     def _init_slot_state(self):
         b, dev = self.max_batch + 1, self.device  # + the scratch slot (always done)
@@ -323,9 +343,11 @@ class InferenceEngine:
         for r in admitted:
             if len(r.prompt) > self.prefill_chunk:
                 self._prefill([r])
-        group = []  # batch short prompts together, up to prefill_chunk padded tokens per pass
+        group = []  # batch short prompts together, up to prefill_chunk padded tokens per pass, keeping a bucket
         for r in sorted(short, key=lambda r: len(r.prompt)):
-            if group and (len(group) + 1) * len(r.prompt) > self.prefill_chunk:
+            if group and ((len(group) + 1) * len(r.prompt) > self.prefill_chunk
+                          or self._prefill_key(len(group), len(group[-1].prompt)) is not None
+                          and self._prefill_key(len(group) + 1, len(r.prompt)) is None):
                 self._prefill(group)
                 group = []
             group.append(r)
@@ -369,6 +391,8 @@ class InferenceEngine:
                 chunk = prompt[start:start + self.prefill_chunk]
                 hidden = self._prefill_pass([requests[0].slot], [chunk], start)
             last = hidden[:, len(chunk) - 1]
+        elif self._prefill_key(len(requests), max(lengths)) is not None:
+            last = self._prefill_bucket(self._prefill_key(len(requests), max(lengths)), requests)
         else:
             # right-padded: a row's real queries see only earlier real keys (causal), the padding positions are
             # overwritten by its later tokens before any query can see them
@@ -382,7 +406,76 @@ class InferenceEngine:
         for r in requests:
             r._host_count = 1
 
+    def _prefill_key(self, rows, width):
+        """("prefill", rows bucket, width bucket) of a group, or None when it prefills unpadded (eagerly)."""
+        if not self.prefill_graph_tokens:
+            return None
+        batch = next(b for b in self._batch_buckets if b >= rows)
+        padded = next((w for w in self._width_buckets if w >= width), None)
+        if padded is None or batch * padded > self.prefill_graph_tokens:
+            return None
+        return ("prefill", batch, padded)
+
+    def prefill_buckets(self):
+        """Every ("prefill", rows, width) bucket a group can prefill with (each one CUDA graph)."""
+        if not self.prefill_graph_tokens:
+            return []
+        return [("prefill", b, w) for b in self._batch_buckets for w in self._width_buckets
+                if b * w <= self.prefill_graph_tokens]
+
+    def _prefill_bucket(self, key, requests):
+        """The group's last hidden states (n, H), the group padded to the bucket: one host-to-device copy of
+        (rows, width + 2) int64 (ids, then each row's slot and last position), then one graph replay."""
+        _, batch, width = key
+        host = torch.zeros(batch, width + 2, dtype=torch.long)
+        host[:, width] = self.scratch  # the padding rows
+        for row, r in enumerate(requests):
+            host[row, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
+            host[row, width], host[row, width + 1] = r.slot, len(r.prompt) - 1
+        self.stats["prefill_passes"] += 1
+        self.stats["prefill_bucketed"] += 1
+        if not self.cuda_graphs:
+            return self._prefill_forward(host.to(self.device))[:len(requests)]
+        if key not in self._graphs:
+            self._graphs[key] = self._capture_prefill(key)
+        graph, inputs, last = self._graphs[key]
+        inputs.copy_(host.pin_memory(), non_blocking=True)
+        graph.replay()
+        return last[:len(requests)]
+
+    def _prefill_forward(self, inputs):
+        """A padded group's forward, all device work (what a prefill graph captures): inputs (rows, width + 2) as
+        _prefill_bucket lays it out; returns each row's hidden state at its last position."""
+        width = inputs.shape[1] - 2
+        self.cache.set_prefill(inputs[:, width], 0, width, self.dtype)
+        try:
+            with plan_free_attention(self.device):
+                hidden = self.model.hidden_states(inputs[:, :width], cache=self.cache)
+        finally:
+            self.cache.clear()
+        return hidden[self.cache.rows[:inputs.shape[0]], inputs[:, width + 1]]
+
+    def _capture_prefill(self, key):
+        """Records a prefill bucket's forward; its warm-up and capture write only the scratch slot."""
+        _, batch, width = key
+        inputs = torch.zeros(batch, width + 2, dtype=torch.long, device=self.device)
+        inputs[:, width] = self.scratch
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._prefill_forward(inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            last = self._prefill_forward(inputs)
+        logger.info(f"inference: captured the prefill of {batch} rows x {width} positions")
+        return graph, inputs, last
+
     def _prefill_pass(self, slots, token_lists, start):
+        self.stats["prefill_passes"] += 1
         width = max(len(t) for t in token_lists)
         ids = torch.zeros(len(token_lists), width, dtype=torch.long)
         for row, tokens in enumerate(token_lists):
@@ -631,8 +724,8 @@ class InferenceEngine:
     @torch.no_grad()
     def warmup(self, batch_sizes=None, kv_lengths=None, every_bucket=False):
         """Captures the decode graphs of the given buckets now (default: every batch bucket; unfused: the first kv
-        bucket; every_bucket: all of decode_buckets(), so that serving never captures). A capture's warm-up writes
-        running rows' keys/values, the same ones their next step writes."""
+        bucket; every_bucket: all of decode_buckets() and prefill_buckets(), so that serving never captures). A
+        capture's warm-up writes running rows' keys/values, the same ones their next step writes."""
         if not self.cuda_graphs:
             return
         self._sync_order()
@@ -650,3 +743,6 @@ class InferenceEngine:
         for key in keys:
             if key not in self._graphs:
                 self._graphs[key] = self._capture(key)
+        for key in self.prefill_buckets() if every_bucket else []:
+            if key not in self._graphs:
+                self._graphs[key] = self._capture_prefill(key)

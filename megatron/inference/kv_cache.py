@@ -38,13 +38,17 @@ class StaticKVCache:
         return self.k.numel() * self.k.element_size() * 2
 
     def set_prefill(self, slots, start, length, dtype):
-        """The next pass writes positions [start, start + length) of `slots` (a list of slot ids)."""
+        """The next pass writes positions [start, start + length) of `slots` (a list of slot ids, or a device tensor
+        of them: no host-to-device copy, so a CUDA graph can capture the pass)."""
         if start + length > self.max_seq_len:
             raise ValueError(f"prefill to position {start + length} exceeds the cache's {self.max_seq_len} positions")
         bias = alibi_bias(self.slopes, length, start + length, dtype=dtype)  # (1, nh, c, start + c)
         if len(slots) > 1:  # a materialised batch dimension: cuDNN's SDPA is wrong for stride-0 bias (attention.py)
             bias = bias.expand(len(slots), -1, -1, -1).contiguous()
-        index = slots[0] if len(slots) == 1 else torch.tensor(slots, device=self.k.device)
+        if isinstance(slots, torch.Tensor):
+            index = slots
+        else:
+            index = slots[0] if len(slots) == 1 else torch.tensor(slots, device=self.k.device)
         self._pass = ("prefill", index, start, length, bias)
 
     def set_decode(self, batch, kv_len, pos, dtype):

@@ -46,6 +46,10 @@ def add_decode_flags(parser):
                         help="the fused decode step's GEMMs: torch, triton (the skinny split-K kernel) or auto (the "
                              "faster per weight shape and batch bucket, timed at capture; torch without CUDA) "
                              "(default: %(default)s; TP 1 only)")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=None,
+                        help="prefill admitted prompts padded to (rows, width) buckets of up to this many tokens as "
+                             "CUDA graphs, every bucket captured at start-up (default: 2048 with CUDA graphs; 0: "
+                             "eager, unpadded prefill)")
 
 
 def decode_options(args, device, tp, cuda_graphs):
@@ -66,10 +70,16 @@ def decode_options(args, device, tp, cuda_graphs):
         raise ValueError("--graph-step captures the whole decode step in a CUDA graph: it needs a GPU and CUDA graphs "
                          "(this run has none); drop --graph-step" + (" or --no-cuda-graphs" if device == "cuda"
                                                                      else ""))
+    prefill_graph_tokens = args.prefill_graph_tokens
+    if prefill_graph_tokens is not None and prefill_graph_tokens < 0:
+        raise ValueError(f"--prefill-graph-tokens {prefill_graph_tokens} is negative; give 0 (no prefill graphs) or "
+                         "a positive bound")
+    if prefill_graph_tokens and not cuda_graphs:
+        prefill_graph_tokens = 0  # padding without graphs only costs compute
     if args.gemm == "triton" and not triton_gemm_available(torch.device(device)):
         raise ValueError("--gemm triton needs CUDA and the triton package; use --gemm torch or --gemm auto")
     return {"compile_mode": None if args.compile_mode == "none" else args.compile_mode,
-            "graph_step": args.graph_step, "gemm": args.gemm}
+            "graph_step": args.graph_step, "gemm": args.gemm, "prefill_graph_tokens": prefill_graph_tokens}
 
 
 def device_and_dtype(merged, dtype_flag):

@@ -114,3 +114,24 @@ def test_prefill_attention_never_takes_the_cudnn_backend(monkeypatch):
     engine = InferenceEngine(model(), max_batch_size=8, max_seq_len=128, kv_bucket=64)
     engine.generate(prompts(8, seed=3), SamplingParams(greedy=True, max_new_tokens=4))
     assert seen and not any(seen), seen
+
+
+def test_prefill_graphs_equal_the_eager_prefill_and_are_all_captured_at_warm_up():
+    """Groups padded to (rows, width) buckets and replayed from CUDA graphs: fp32 greedy equals the reference token
+    for token, bf16 equals the unpadded eager prefill; warmup(every_bucket=True) captures every prefill bucket, so
+    serving captures none."""
+    ps = prompts(8, seed=4) + [list(range(5, 70))]  # 65 tokens: a 128-wide bucket
+    params = SamplingParams(greedy=True, max_new_tokens=16)
+    ours = model()
+    graphed = InferenceEngine(ours, max_batch_size=8, max_seq_len=128, kv_bucket=64, prefill_graph_tokens=256)
+    graphed.warmup(every_bucket=True)
+    captured = len(graphed._graphs)
+    assert captured > len(graphed.prefill_buckets()) > 0
+    got = graphed.generate(ps, params)
+    assert len(graphed._graphs) == captured and graphed.stats["prefill_bucketed"] > 0
+    assert got == InferenceEngine(ours, max_batch_size=8, max_seq_len=128, kv_bucket=64,
+                                  prefill_graph_tokens=0).generate(ps, params)
+    ours = ours.float()
+    got = InferenceEngine(ours, max_batch_size=8, max_seq_len=128, kv_bucket=64,
+                          prefill_graph_tokens=256).generate(ps, params)
+    assert got == [reference_generate(ours, [p], params, eod_id=-1, pad_id=0)[0] for p in ps]

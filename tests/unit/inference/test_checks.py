@@ -102,7 +102,8 @@ def test_tokenizer_against_the_runs_padding():
 
 
 def test_decode_flags_reach_the_engine_and_bad_combinations_stop_with_one_line(hf_folders, capsys):
-    """--compile-mode, --graph-step and --gemm of both tools: InferenceEngine's compile_mode=, graph_step=, gemm=;
+    """--compile-mode, --graph-step, --gemm and --prefill-graph-tokens of both tools: InferenceEngine's
+    compile_mode=, graph_step=, gemm=, prefill_graph_tokens=;
     what cannot run here (a CUDA graph or the Triton GEMM on the CPU, fused-step options under TP) is one line."""
     import argparse
 
@@ -121,11 +122,17 @@ def test_decode_flags_reach_the_engine_and_bad_combinations_stop_with_one_line(h
         "run has none); drop --graph-step"])
     assert _generate(prompt + ["--gemm", "triton"], capsys) == (2, [
         "error: --gemm triton needs CUDA and the triton package; use --gemm torch or --gemm auto"])
+    assert _generate(prompt + ["--prefill-graph-tokens", "-1"], capsys) == (2, [
+        "error: --prefill-graph-tokens -1 is negative; give 0 (no prefill graphs) or a positive bound"])
 
     parser = argparse.ArgumentParser()
     add_decode_flags(parser)
     assert decode_options(parser.parse_args([]), "cpu", 2, False) == {"compile_mode": None, "graph_step": False,
-                                                                      "gemm": "torch"}
+                                                                      "gemm": "torch", "prefill_graph_tokens": None}
+    assert decode_options(parser.parse_args(["--prefill-graph-tokens", "512"]), "cpu", 1,
+                          False)["prefill_graph_tokens"] == 0  # no graphs: no padding
+    assert decode_options(parser.parse_args(["--prefill-graph-tokens", "512"]), "cuda", 1,
+                          True)["prefill_graph_tokens"] == 512
     for flags, message in ((["--compile-mode", "default"], "--compile-mode default tunes the fused decode step, "
                             "which runs at tensor-parallel size 1 (this run: TP 2); drop --compile-mode"),
                            (["--gemm", "auto"], "--gemm auto tunes the fused decode step, which runs at "

@@ -232,3 +232,38 @@ def test_overlapped_rounds_and_early_first_tokens_give_the_solo_outputs(pair):
     assert first[0].finish_reason == "cancelled" and first[0].output == solo[0][:5]
     assert [r.output for r in (first[1], third, fourth)] == [solo[1], solo[2], solo[3]]
     assert eng.stats["prefill_rounds"] == 4 + 3 and not eng.running and eng._in_flight is None
+
+
+def test_padded_prefill_buckets_give_the_unpadded_outputs_and_write_only_scratch(pair):
+    """prefill_graph_tokens pads each admitted group to (rows bucket, width bucket) as the CUDA-graph prefill does
+    (here eagerly, on the CPU): greedy and sampled outputs equal the unpadded prefill's and the reference across
+    prompt lengths (1 to 70, one longer than the prefill chunk) and group sizes; the padding rows write only the
+    scratch slot."""
+    hf, ours = pair
+    prompts = PROMPTS + [[5], list(range(60, 77)), [8, 9, 10, 11, 12], list(range(100, 131)), [7 * t % 150 + 5 for t in range(70)]]
+    greedy = SamplingParams(greedy=True, max_new_tokens=10)
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10)
+    padded = engine(ours, max_batch_size=8, prefill_chunk=64, prefill_graph_tokens=64)
+    assert padded._width_buckets == [16, 32, 64] and ("prefill", 2, 32) in padded.prefill_buckets()
+    assert ("prefill", 4, 32) not in padded.prefill_buckets()  # 128 padded tokens > 64
+    plain = engine(ours, max_batch_size=8, prefill_chunk=64)
+    assert plain.prefill_buckets() == []
+    for params in (greedy, sampled):
+        want = plain.generate(prompts, params, seed=3)
+        assert padded.generate(prompts, params, seed=3) == want
+        if params is greedy:
+            assert want == [hf_greedy(hf, p, 10) for p in prompts]
+    assert 0 < padded.stats["prefill_bucketed"] < padded.stats["prefill_passes"]  # 70 tokens: two eager chunks
+    assert plain.stats["prefill_bucketed"] == 0
+
+    fresh = engine(ours, max_batch_size=8, prefill_graph_tokens=64)
+    fresh.add_request([5, 6, 7], greedy)
+    fresh.add_request([9, 10, 11, 12, 13], greedy)
+    fresh.add_request([14], greedy)  # 3 rows: bucket of 4, one padding row
+    fresh.step()
+    assert fresh.stats["prefill_bucketed"] == 1
+    used = sorted(r.slot for r in fresh.running.values())
+    assert used == [0, 1, 2]
+    k = fresh.cache.k
+    assert k[:, 3:fresh.scratch].abs().sum() == 0  # free slots untouched
+    assert k[:, fresh.scratch].abs().sum() > 0  # the padding row wrote the scratch slot
