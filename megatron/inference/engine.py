@@ -23,10 +23,10 @@ Per decode step the device holds all per-row state (next input token, position, 
 parameters) and the generated tokens, so `step(num_steps=n)` runs n steps with no host synchronisation and copies
 results to the host once. On CUDA each decode step shape is captured once as a CUDA graph and replayed.
 
-Prefill graphs (prefill_graph_tokens): an admitted group is padded to a bucket, rows to the next batch bucket (the
-padding rows write the scratch slot) and width to the next power of two from MIN_PREFILL_WIDTH (right padding: a
-row's real queries see only its earlier real keys, and decode overwrites the padding positions before any query
-sees them), and when rows x width <= prefill_graph_tokens the group's forward up to each row's last hidden state is
+Prefill graphs (prefill_graph_tokens): an admitted group is padded to a bucket, rows and width each to the next of
+2^k and 1.5 x 2^k (at most 1.5x the real ones; rows from 1, the padding rows write the scratch slot; width from
+MIN_PREFILL_WIDTH, right padding: a row's real queries see only its earlier real keys, and decode overwrites the
+padding positions before any query sees them), and when rows x width <= prefill_graph_tokens the group's forward up to each row's last hidden state is
 one CUDA graph replay: the eager prefill is ~32 host-side ops per layer (10-15 ms for 24 layers), longer than the
 device's work for short prompts, and it competes for the GIL with a server's event loop. Groups are formed so they
 fit a bucket; longer prompts prefill eagerly.
@@ -98,6 +98,18 @@ class Round:
     end: object = None  # after its copy,
     previous_end: object = None  # and after the round before, when the engine had work in between
     prefilled: bool = False  # the round admitted (prefilled) rows
+
+
+def _fine_buckets(smallest, limit):
+    """smallest x 2^k and 1.5 x smallest x 2^k (where whole) below limit, then limit: 1, 2, 3, 4, 6, 8, ... or
+    16, 24, 32, 48, ..."""
+    out, value = set(), smallest
+    while value < limit:
+        out.add(value)
+        if value % 2 == 0 and value * 3 // 2 < limit:
+            out.add(value * 3 // 2)
+        value *= 2
+    return sorted(out | {limit})
 
 
 def _buckets(limit):
@@ -178,9 +190,8 @@ class InferenceEngine:
         if prefill_graph_tokens is None:
             prefill_graph_tokens = PREFILL_GRAPH_TOKENS if cuda_graphs else 0
         self.prefill_graph_tokens = prefill_graph_tokens
-        widest = min(self.max_seq_len, prefill_chunk)
-        self._width_buckets = sorted({min(MIN_PREFILL_WIDTH << k, widest) for k in range(max(1, widest.bit_length()))
-                                      if (MIN_PREFILL_WIDTH << k) // 2 < widest})
+        self._row_buckets = _fine_buckets(1, max_batch_size)
+        self._width_buckets = _fine_buckets(MIN_PREFILL_WIDTH, min(self.max_seq_len, prefill_chunk))
         self._order = []  # the running slots in the fused step's row order
         self._order_dirty = False
         self.scratch = max_batch_size
@@ -410,7 +421,7 @@ class InferenceEngine:
         """("prefill", rows bucket, width bucket) of a group, or None when it prefills unpadded (eagerly)."""
         if not self.prefill_graph_tokens:
             return None
-        batch = next(b for b in self._batch_buckets if b >= rows)
+        batch = next(b for b in self._row_buckets if b >= rows)
         padded = next((w for w in self._width_buckets if w >= width), None)
         if padded is None or batch * padded > self.prefill_graph_tokens:
             return None
@@ -420,7 +431,7 @@ class InferenceEngine:
         """Every ("prefill", rows, width) bucket a group can prefill with (each one CUDA graph)."""
         if not self.prefill_graph_tokens:
             return []
-        return [("prefill", b, w) for b in self._batch_buckets for w in self._width_buckets
+        return [("prefill", b, w) for b in self._row_buckets for w in self._width_buckets
                 if b * w <= self.prefill_graph_tokens]
 
     def _prefill_bucket(self, key, requests):

@@ -244,7 +244,8 @@ def test_padded_prefill_buckets_give_the_unpadded_outputs_and_write_only_scratch
     greedy = SamplingParams(greedy=True, max_new_tokens=10)
     sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10)
     padded = engine(ours, max_batch_size=8, prefill_chunk=64, prefill_graph_tokens=64)
-    assert padded._width_buckets == [16, 32, 64] and ("prefill", 2, 32) in padded.prefill_buckets()
+    assert padded._width_buckets == [16, 24, 32, 48, 64] and padded._row_buckets == [1, 2, 3, 4, 6, 8]
+    assert ("prefill", 2, 32) in padded.prefill_buckets()
     assert ("prefill", 4, 32) not in padded.prefill_buckets()  # 128 padded tokens > 64
     plain = engine(ours, max_batch_size=8, prefill_chunk=64)
     assert plain.prefill_buckets() == []
@@ -256,14 +257,13 @@ def test_padded_prefill_buckets_give_the_unpadded_outputs_and_write_only_scratch
     assert 0 < padded.stats["prefill_bucketed"] < padded.stats["prefill_passes"]  # 70 tokens: two eager chunks
     assert plain.stats["prefill_bucketed"] == 0
 
-    fresh = engine(ours, max_batch_size=8, prefill_graph_tokens=64)
-    fresh.add_request([5, 6, 7], greedy)
-    fresh.add_request([9, 10, 11, 12, 13], greedy)
-    fresh.add_request([14], greedy)  # 3 rows: bucket of 4, one padding row
+    fresh = engine(ours, max_batch_size=8, prefill_chunk=64, prefill_graph_tokens=96)
+    for prompt in ([5, 6, 7], [9, 10, 11, 12, 13], [14], [15, 16], [17, 18, 19]):
+        fresh.add_request(prompt, greedy)  # 5 rows: bucket of 6, one padding row
     fresh.step()
     assert fresh.stats["prefill_bucketed"] == 1
     used = sorted(r.slot for r in fresh.running.values())
-    assert used == [0, 1, 2]
+    assert used == [0, 1, 2, 3, 4]
     k = fresh.cache.k
-    assert k[:, 3:fresh.scratch].abs().sum() == 0  # free slots untouched
+    assert k[:, 5:fresh.scratch].abs().sum() == 0  # free slots untouched
     assert k[:, fresh.scratch].abs().sum() > 0  # the padding row wrote the scratch slot
