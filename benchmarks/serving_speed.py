@@ -180,6 +180,7 @@ def child(args):
         start = time.perf_counter()
         engine.warmup(every_bucket=True)  # what the server tool does at start-up
         figures["graphs"] = len(engine._graphs)
+        figures["prefill_graphs"] = len(engine._prefill_graphs)
         figures["capture_s"] = time.perf_counter() - start
         for clients in args.clients:
             engine_ramp(engine, prompts[:clients], params, args.requests_per_client, args.steps_per_sync)  # warm
@@ -413,7 +414,8 @@ def main(argv=None):
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": device_name(args), "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-                       "graphs": engine["graphs"], "capture_s": engine["capture_s"], "rows": rows,
+                       "graphs": engine["graphs"], "prefill_graphs": engine["prefill_graphs"],
+                       "capture_s": engine["capture_s"], "rows": rows,
                        "server_exit_code": code}, f, indent=2)
     return 0 if code == 0 else 1
 
@@ -493,7 +495,8 @@ def describe(args, engine):
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync, "
           f"compile mode {args.compile_mode}, graph step {'on' if args.graph_step else 'off'}, {args.gemm} GEMMs, "
           f"GIL switch interval {args.switch_interval or sys.getswitchinterval()} s; {engine['graphs']} decode "
-          f"graphs captured at start-up in {engine['capture_s']:.1f} s", flush=True)
+          f"and {engine['prefill_graphs']} prefill graphs captured at start-up in {engine['capture_s']:.1f} s",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,8 @@ class InferenceEngine:
         self.running = {}  # slot -> Request
         self._free = list(range(max_batch_size))
         self._ids = itertools.count()
-        self._graphs = {}
+        self._graphs = {}  # decode step graphs by bucket key
+        self._prefill_graphs = {}  # prefill graphs by ("prefill", rows, width)
         self._pool = None
         self._batch_buckets = _buckets(max_batch_size)
         if prefill_graph_tokens is None:
@@ -447,9 +448,9 @@ class InferenceEngine:
         self.stats["prefill_bucketed"] += 1
         if not self.cuda_graphs:
             return self._prefill_forward(host.to(self.device))[:len(requests)]
-        if key not in self._graphs:
-            self._graphs[key] = self._capture_prefill(key)
-        graph, inputs, last = self._graphs[key]
+        if key not in self._prefill_graphs:
+            self._prefill_graphs[key] = self._capture_prefill(key)
+        graph, inputs, last = self._prefill_graphs[key]
         inputs.copy_(host.pin_memory(), non_blocking=True)
         graph.replay()
         return last[:len(requests)]
@@ -755,5 +756,5 @@ class InferenceEngine:
             if key not in self._graphs:
                 self._graphs[key] = self._capture(key)
         for key in self.prefill_buckets() if every_bucket else []:
-            if key not in self._graphs:
-                self._graphs[key] = self._capture_prefill(key)
+            if key not in self._prefill_graphs:
+                self._prefill_graphs[key] = self._capture_prefill(key)

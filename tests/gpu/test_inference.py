@@ -125,10 +125,11 @@ def test_prefill_graphs_equal_the_eager_prefill_and_are_all_captured_at_warm_up(
     ours = model()
     graphed = InferenceEngine(ours, max_batch_size=8, max_seq_len=128, kv_bucket=64, prefill_graph_tokens=256)
     graphed.warmup(every_bucket=True)
-    captured = len(graphed._graphs)
-    assert captured > len(graphed.prefill_buckets()) > 0
+    captured = (len(graphed._graphs), len(graphed._prefill_graphs))
+    assert captured[1] == len(graphed.prefill_buckets()) > 0 and captured[0] > 0
     got = graphed.generate(ps, params)
-    assert len(graphed._graphs) == captured and graphed.stats["prefill_bucketed"] > 0
+    assert (len(graphed._graphs), len(graphed._prefill_graphs)) == captured
+    assert graphed.stats["prefill_bucketed"] > 0
     assert got == InferenceEngine(ours, max_batch_size=8, max_seq_len=128, kv_bucket=64,
                                   prefill_graph_tokens=0).generate(ps, params)
     ours = ours.float()
