@@ -436,11 +436,11 @@ def health(port):
 
 
 def print_rounds(rows, device_timing):
-    from megatron.inference.engine import SLOW_STEP_LAUNCH_S
-    slow_ms = SLOW_STEP_LAUNCH_S * 1e3
     """The per-round table: where each concurrency's time went, engine alone and server."""
+    from megatron.inference.engine import SLOW_STEP_LAUNCH_S
     if not rows:
         return
+    slow_ms = SLOW_STEP_LAUNCH_S * 1e3
     print("per engine round (ms): launch = the engine thread queueing the round's device work, wait = blocked on "
           "the device, read = reading its results; host = the server's engine thread between rounds; device = the "
           "GPU's time per round and gap = the GPU idle between rounds, waiting for the host (CUDA timing events); "

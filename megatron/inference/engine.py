@@ -26,8 +26,8 @@ results to the host once. On CUDA each decode step shape is captured once as a C
 Prefill graphs (prefill_graph_tokens): an admitted group is padded to a bucket, rows and width each to the next of
 2^k and 1.5 x 2^k (at most 1.5x the real ones; rows from 1, the padding rows write the scratch slot; width from
 MIN_PREFILL_WIDTH, right padding: a row's real queries see only its earlier real keys, and decode overwrites the
-padding positions before any query sees them), and when rows x width <= prefill_graph_tokens the group's forward up to each row's last hidden state is
-one CUDA graph replay: the eager prefill is ~32 host-side ops per layer (10-15 ms for 24 layers), longer than the
+padding positions before any query sees them), and when rows x width <= prefill_graph_tokens the group's forward
+up to each row's last hidden state is one CUDA graph replay: the eager prefill is ~32 host-side ops per layer (10-15 ms for 24 layers), longer than the
 device's work for short prompts, and it competes for the GIL with a server's event loop. Groups are formed so they
 fit a bucket; longer prompts prefill eagerly.
 
@@ -98,6 +98,14 @@ class Round:
     end: object = None  # after its copy,
     previous_end: object = None  # and after the round before, when the engine had work in between
     prefilled: bool = False  # the round admitted (prefilled) rows
+
+
+def _token_rows(token_lists, rows, columns):
+    """A (rows, columns) int64 host tensor of zeros with token_lists[i] at the start of row i (right padding)."""
+    out = torch.zeros(rows, columns, dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        out[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return out
 
 
 def _fine_buckets(smallest, limit):
@@ -397,14 +405,15 @@ class InferenceEngine:
     def _prefill(self, requests):
         """Fills the requests' slots with their prompts and samples each one's first token."""
         lengths = [len(r.prompt) for r in requests]
-        if len(requests) == 1 and lengths[0] > self.prefill_chunk:
+        key = self._prefill_key(len(requests), max(lengths))  # None beyond the widest bucket (<= prefill_chunk)
+        if key is not None:
+            last = self._prefill_bucket(key, requests)
+        elif len(requests) == 1 and lengths[0] > self.prefill_chunk:
             prompt = requests[0].prompt
             for start in range(0, len(prompt), self.prefill_chunk):
                 chunk = prompt[start:start + self.prefill_chunk]
                 hidden = self._prefill_pass([requests[0].slot], [chunk], start)
             last = hidden[:, len(chunk) - 1]
-        elif self._prefill_key(len(requests), max(lengths)) is not None:
-            last = self._prefill_bucket(self._prefill_key(len(requests), max(lengths)), requests)
         else:
             # right-padded: a row's real queries see only earlier real keys (causal), the padding positions are
             # overwritten by its later tokens before any query can see them
@@ -439,10 +448,9 @@ class InferenceEngine:
         """The group's last hidden states (n, H), the group padded to the bucket: one host-to-device copy of
         (rows, width + 2) int64 (ids, then each row's slot and last position), then one graph replay."""
         _, batch, width = key
-        host = torch.zeros(batch, width + 2, dtype=torch.long)
+        host = _token_rows([r.prompt for r in requests], batch, width + 2)
         host[:, width] = self.scratch  # the padding rows
         for row, r in enumerate(requests):
-            host[row, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
             host[row, width], host[row, width + 1] = r.slot, len(r.prompt) - 1
         self.stats["prefill_passes"] += 1
         self.stats["prefill_bucketed"] += 1
@@ -489,9 +497,7 @@ class InferenceEngine:
     def _prefill_pass(self, slots, token_lists, start):
         self.stats["prefill_passes"] += 1
         width = max(len(t) for t in token_lists)
-        ids = torch.zeros(len(token_lists), width, dtype=torch.long)
-        for row, tokens in enumerate(token_lists):
-            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        ids = _token_rows(token_lists, len(token_lists), width)
         self.cache.set_prefill(slots, start, width, self.dtype)
         try:  # every group size and width is a new shape: no per-shape cuDNN plan on the serving path
             with plan_free_attention(self.device):

@@ -240,7 +240,8 @@ def test_padded_prefill_buckets_give_the_unpadded_outputs_and_write_only_scratch
     prompt lengths (1 to 70, one longer than the prefill chunk) and group sizes; the padding rows write only the
     scratch slot."""
     hf, ours = pair
-    prompts = PROMPTS + [[5], list(range(60, 77)), [8, 9, 10, 11, 12], list(range(100, 131)), [7 * t % 150 + 5 for t in range(70)]]
+    prompts = PROMPTS + [[5], list(range(60, 77)), [8, 9, 10, 11, 12], list(range(100, 131)),
+                         [7 * t % 150 + 5 for t in range(70)]]
     greedy = SamplingParams(greedy=True, max_new_tokens=10)
     sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=10)
     padded = engine(ours, max_batch_size=8, prefill_chunk=64, prefill_graph_tokens=64)
