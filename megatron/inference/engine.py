@@ -27,9 +27,9 @@ Prefill graphs (prefill_graph_tokens): an admitted group is padded to a bucket, 
 2^k and 1.5 x 2^k (at most 1.5x the real ones; rows from 1, the padding rows write the scratch slot; width from
 MIN_PREFILL_WIDTH, right padding: a row's real queries see only its earlier real keys, and decode overwrites the
 padding positions before any query sees them), and when rows x width <= prefill_graph_tokens the group's forward
-up to each row's last hidden state is one CUDA graph replay: the eager prefill is ~32 host-side ops per layer (10-15 ms for 24 layers), longer than the
-device's work for short prompts, and it competes for the GIL with a server's event loop. Groups are formed so they
-fit a bucket; longer prompts prefill eagerly.
+up to each row's last hidden state is one CUDA graph replay: the eager prefill is ~32 host-side ops per layer
+(10-15 ms for 24 layers), longer than the device's work for short prompts, and it competes for the GIL with a
+server's event loop. Groups are formed so they fit a bucket; longer prompts prefill eagerly.
 
 Two decode paths (`decode=`):
     fused    (default at TP 1) megatron/inference/decode.py's step: the blocks' maths in a few segments (fused by
