@@ -108,6 +108,10 @@ class ModelConfig:
                                 "(LayerNorms, QKV, FlexAttention/SDPA, dense, MLP, residuals) as one "
                                 "torch.compile'd region, reused by every layer; elsewhere the block runs as "
                                 "without it (--fused-elementwise's regions if on, else eager)")
+    gemm_epilogues: bool = flag(
+        True, "training on CUDA: the MLP's GeLU gradient computed in the epilogue of its 4h -> h dgrad GEMM "
+        "(cuBLASLt DGELU, csrc), not by a kernel of its own; torch ops where the kernels are not built",
+        negation="--no-gemm-epilogues")
     gradient_accumulation_fusion: bool = flag(
         True, "each micro batch's weight gradients are summed into .grad by the weight-gradient GEMM (beta = 1) "
         "and the embedding's index_put_, not by a separate add; serves the parameters without gradient hooks "

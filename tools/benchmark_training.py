@@ -68,6 +68,11 @@ def parse_args(argv=None):
                         "--fused-elementwise (ours-regions: three compiled regions per block)")
     p.add_argument("--fused-elementwise", action="store_true", help="ours: the three fused elementwise regions")
     p.add_argument("--compile-blocks", action="store_true", help="ours: each block as one compiled region")
+    p.add_argument("--no-gemm-epilogues", action="store_true",
+                   help="ours: the MLP's GeLU gradient in a kernel of its own, not the dgrad GEMM's epilogue (A/B)")
+    p.add_argument("--inductor-config", default=None, metavar="KEY=VALUE,...",
+                   help="ours: torch._inductor.config settings for the compiled blocks (A/B), e.g. "
+                        "coordinate_descent_tuning=True")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="ours: weight gradients summed into .grad by autograd's add, not by their GEMM (A/B)")
     p.add_argument("--attention-variants", default=None, metavar="A,B,...",
@@ -282,6 +287,15 @@ def run_ours(args, shape):
         argv.append("--fused-elementwise")
     if args.compile_blocks:
         argv.append("--compile-blocks")
+    if args.no_gemm_epilogues:
+        argv.append("--no-gemm-epilogues")
+    if args.inductor_config:
+        import ast
+
+        import torch._inductor.config as inductor_config
+        for item in args.inductor_config.split(","):
+            key, value = item.split("=", 1)
+            setattr(inductor_config, key, ast.literal_eval(value))
     if args.no_gradient_accumulation_fusion:
         argv.append("--no-gradient-accumulation-fusion")
     if args.attention_variant:

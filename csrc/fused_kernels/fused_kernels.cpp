@@ -9,6 +9,9 @@
 #include "fused_kernels.h"
 
 namespace megatron_fused {
+
+void bind_gemm_epilogue(pybind11::module_& m);  // gemm_epilogue.cpp
+
 namespace {
 
 DType dtype_of(const at::Tensor& t) {
@@ -198,7 +201,8 @@ at::Tensor cross_entropy_backward_op(const at::Tensor& grad_loss, at::Tensor log
 }  // namespace megatron_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm, cross entropy)";
+  m.doc() = "Megatron-BLOOM fused CUDA kernels (ALiBi softmax, mixed-precision LayerNorm, cross entropy, cuBLASLt "
+            "GEMM epilogues)";
   m.attr("max_row_length") = megatron_fused::kMaxRowLength;
   m.def("alibi_softmax_forward", &megatron_fused::alibi_softmax_forward_op, "ALiBi softmax forward",
         py::arg("scores"), py::arg("slopes"), py::arg("scale"), py::arg("mask") = py::none(), py::arg("causal") = true);
@@ -213,4 +217,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &megatron_fused::cross_entropy_backward_op, "cross entropy backward",
         py::arg("grad_loss"), py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("vocab_start"),
         py::arg("total_vocab"), py::arg("ignore_index"), py::arg("inplace"));
+  megatron_fused::bind_gemm_epilogue(m);
 }

@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 ABORT_FLAG = "--abort-on-unmet-fused-kernel-constraints"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused_kernels"
-SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu")
+SOURCES = ("fused_kernels.cpp", "alibi_softmax.cu", "layer_norm.cu", "cross_entropy.cu",
+           "gemm_epilogue.cpp")
 HEADERS = ("fused_kernels.h", "common.cuh")
 
 
@@ -102,6 +103,7 @@ def _build():
         build_directory=str(build_dir),
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + arch_flags(),
+        extra_ldflags=["-lcublasLt"],
         verbose=False,
     )
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import fused_mlp
 from megatron.fused_kernels import elementwise
 from megatron.model import attention, cudnn_attention
 from megatron.model.alibi import get_alibi_slopes_for_rank
@@ -138,11 +139,14 @@ class ParallelMLP(nn.Module):
     """h -> 4h (column parallel) -> tanh GeLU -> h (row parallel): sum_r GeLU(x A_r + a_r) B_r + b.
 
     Communicates (p > 1): forward all-reduces the (B, S, H) output; backward the gradient of the input.
+    With config.gemm_epilogues, training on CUDA: through tensor_parallel.fused_mlp (GeLU's gradient in the
+    epilogue of the 4h -> h dgrad GEMM, cuBLASLt).
     """
 
     def __init__(self, config, tp_group=None):
         super().__init__()
         std, fuse = config.init_method_std, config.gradient_accumulation_fusion
+        self.gemm_epilogues = config.gemm_epilogues
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, config.ffn_dim, init_method=normal_init(std), tp_group=tp_group,
             gradient_accumulation_fusion=fuse)
@@ -154,10 +158,27 @@ class ParallelMLP(nn.Module):
     def forward(self, x, fused=False):
         """fused: the output without its bias (self.dense_4h_to_h.bias, for the block's fused region), h -> 4h's
         bias added inside the fused bias + GeLU."""
+        if self.gemm_epilogues and self.training and x.is_cuda:
+            y = self.forward_epilogues(x, add_bias=not fused)
+            if y is not None:
+                return y
         if fused:
             h = self.dense_h_to_4h(x, add_bias=False)  # (B, S, F/p)
             return self.dense_4h_to_h(elementwise.bias_gelu(h, self.dense_h_to_4h.bias), add_bias=False)
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+    def forward_epilogues(self, x, add_bias=True):
+        """The MLP through fused_mlp.gelu_mlp, or None where it cannot serve (fused_mlp.serves; ZeRO-3 parameters,
+        gathered only inside their own module's forward)."""
+        up, down = self.dense_h_to_4h, self.dense_4h_to_h
+        if hasattr(up.weight, "ds_id") or up.bias is None or not fused_mlp.serves(x, up.weight, up.bias, down.weight):
+            return None
+        if up.tp_size > 1:
+            x = tensor_parallel.copy_to_tensor_model_parallel_region(x, up.tp_group)
+        y = fused_mlp.gelu_mlp(x, up.weight, up.bias, down.weight, up.gradient_accumulation_fusion)
+        if down.tp_size > 1:
+            y = tensor_parallel.reduce_from_tensor_model_parallel_region(y, down.tp_group)
+        return y + down.bias if add_bias and down.bias is not None else y
 
 
 class BloomBlock(nn.Module):
