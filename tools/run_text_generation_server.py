@@ -69,6 +69,11 @@ def parse_args(argv=None):
                              "%(default)s)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="never stop at the end-of-document token (benchmarks: every completion gets max_tokens)")
+    parser.add_argument("--frontend", default="process", choices=["process", "thread"],
+                        help="process (default): the HTTP front-end (uvicorn, request parsing, tokenization, "
+                             "detokenization) runs in a process of its own, so it never holds the engine's GIL while "
+                             "the engine launches a round (as vLLM splits its API server from its engine core); "
+                             "thread: on an asyncio thread in the engine's process")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="default: %(default)s; warning hides the access log")
     return parser.parse_args(argv)
@@ -130,7 +135,7 @@ def build(args):
     settings = ServerSettings(model_name=name, max_new_tokens=limit, api_key=args.api_key,
                               steps_per_sync=args.steps_per_sync, max_body_bytes=args.max_body_bytes,
                               max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout, host=args.host,
-                              port=args.port, log_level=args.log_level)
+                              port=args.port, log_level=args.log_level, frontend=args.frontend)
     log.info("loaded %s: %s, %s, TP %d, context %d tokens, %d slots", args.load, device, convert.DTYPE_NAMES[dtype],
              tp, context, args.max_batch_size)
     return engine, tokenizer, settings, state
@@ -142,7 +147,7 @@ def main(argv=None):
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()) if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=server.LOG_FORMAT)
     sock = None
     try:
         check_args(args)

@@ -14,11 +14,14 @@ text_offset) of the completion, and of the prompt too with "echo": true (its fir
 0 with echo scores the prompt alone. They come from one forward pass of prompt + completion on the engine thread
 (megatron/inference/scoring.py), so lm-eval's local-completions backend gets the scores of our own backend.
 
-Threads: the HTTP side runs on one asyncio loop (uvicorn); one EngineWorker thread owns the engine (worker.py:
-the thread, and the Job/Row objects that carry each request's new ids back to the loop). Tokenizing prompts and
-detokenizing whole sequences run on a small thread pool, off the loop; the streamed text is decoded incrementally
-on the loop (a few ids per new id, api.IncrementalText). Under tensor parallelism this process is TP rank 0 and its
-worker broadcasts each engine round to the other ranks (worker.follow).
+Processes and threads: by default (ServerSettings.frontend "process") the HTTP side runs in a process of its own
+(remote.py: the app over an EngineClient), and the process that loaded the model runs only its EngineWorker thread
+(remote.EngineService), so the two never wait for each other's GIL. With frontend "thread" the app runs on an asyncio
+loop in the engine's process, beside the EngineWorker thread (worker.py: the thread, and the Job/Row objects that
+carry each request's new ids back to the loop). Either way tokenizing prompts and detokenizing whole sequences run
+on a small thread pool, off the loop; the streamed text is decoded incrementally on the loop (a few ids per new id,
+api.IncrementalText). Under tensor parallelism the engine's process is TP rank 0 and its worker broadcasts each
+engine round to the other ranks (worker.follow).
 
 A client that disconnects (mid-stream or while waiting) has its rows cancelled; a stop string cancels its row.
 SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to shutdown_timeout seconds,
@@ -43,6 +46,9 @@ from megatron.inference.worker import EngineWorker, Job, Row, raise_failed
 
 logger = logging.getLogger(__name__)
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FRONTENDS = ("process", "thread")
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -57,13 +63,35 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    frontend: str = "process"  # the HTTP app in a process of its own ("process") or on a thread beside the engine
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP app needs to know of the engine (it may run in another process)."""
+    context: int  # prompt + generated tokens
+    max_batch: int
+    stops_at_eod: bool
+
+    @classmethod
+    def of(cls, engine):
+        return cls(context=engine.max_seq_len, max_batch=engine.max_batch, stops_at_eod=engine.eod_id >= 0)
 
 
 # ---- the application ---------------------------------------------------------------------------------------------
 
-def build_app(engine, tokenizer, settings, channel=None):
-    """The FastAPI application serving engine (its EngineWorker starts and stops with the app's lifespan).
-    channel: the worker's PlanChannel to the other tensor-parallel ranks (None: one process)."""
+def engine_worker(engine, tokenizer, settings, channel=None, worker_class=EngineWorker):
+    """The engine's worker (with the scorer of the server's logprobs). channel: the PlanChannel to the other
+    tensor-parallel ranks (None: TP 1)."""
+    from megatron.inference.scoring import Scorer
+
+    scorer = Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size)
+    return worker_class(engine, steps_per_sync=settings.steps_per_sync, scorer=scorer, channel=channel)
+
+
+def build_app(worker, tokenizer, settings, info):
+    """The FastAPI application over worker: an EngineWorker (its thread starts and stops with the app's lifespan)
+    or a remote.EngineClient (the same interface, the engine in another process). info: the EngineInfo."""
     from concurrent.futures import ThreadPoolExecutor
 
     from fastapi import FastAPI, Request
@@ -86,18 +114,14 @@ def build_app(engine, tokenizer, settings, channel=None):
                 if cancelled:
                     logger.info("server: client disconnected mid-stream; cancelled %d rows", cancelled)
 
-    from megatron.inference.scoring import Scorer
-
-    scorer = Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size)
-    worker = EngineWorker(engine, settings.steps_per_sync, scorer=scorer, channel=channel)
     pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenizer")
 
     async def off_loop(fn, *args):
         """fn(*args) on the tokenizer pool (tokenizing a long prompt must not stall every stream)."""
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-    limits = api.Limits(max_new_tokens=settings.max_new_tokens, context=engine.max_seq_len,
+    limits = api.Limits(max_new_tokens=settings.max_new_tokens, context=info.context,
                         vocab_size=tokenizer.vocab_size)
-    eod = tokenizer.eod if engine.eod_id >= 0 else None
+    eod = tokenizer.eod if info.stops_at_eod else None
     created = int(time.time())
     pending = [0]  # rows the handlers started and have not released
 
@@ -105,7 +129,7 @@ def build_app(engine, tokenizer, settings, channel=None):
     async def lifespan(app):
         worker.start(asyncio.get_running_loop())
         logger.info("server: serving %s (context %d tokens, batch %d, max_tokens <= %d)", settings.model_name,
-                    limits.context, engine.max_batch, limits.max_new_tokens)
+                    limits.context, info.max_batch, limits.max_new_tokens)
         yield
         await asyncio.to_thread(worker.stop)
         pool.shutdown(wait=False)
@@ -209,7 +233,8 @@ def build_app(engine, tokenizer, settings, channel=None):
 
     @app.get("/health")
     async def health():
-        stats = dict(worker.stats, pending=pending[0], rounds=dict(engine.stats))
+        stats = dict(worker.stats, pending=pending[0])
+        stats["rounds"] = dict(stats["rounds"])  # EngineWorker's is the engine's own, changing dict
         status = "ok" if worker.alive and worker.healthy else "unhealthy" if worker.alive else "stopped"
         body = {"status": status, "model": settings.model_name, **stats}
         if status != "ok" and worker.last_error:
@@ -373,14 +398,35 @@ def bind(host, port):
 
 def serve(engine, tokenizer, settings, sock=None, channel=None):
     """Serves engine until SIGTERM or SIGINT (then finishes in-flight requests, up to settings.shutdown_timeout
-    seconds) and returns 0. sock: an already bound socket (default: bind settings.host:settings.port); channel: the
-    PlanChannel to the other tensor-parallel ranks (they run worker.follow meanwhile)."""
-    import uvicorn
-
+    seconds) and returns 0 (1 if the HTTP front-end process failed). sock: an already bound socket (default: bind
+    settings.host:settings.port); channel: the PlanChannel to the other tensor-parallel ranks (they run
+    worker.follow meanwhile)."""
+    if settings.frontend not in FRONTENDS:
+        raise ValueError(f"frontend {settings.frontend!r}: choose one of {', '.join(FRONTENDS)}")
     if sock is None:
         sock = bind(settings.host, settings.port)
+    if settings.frontend == "process":
+        from megatron.inference import remote
+
+        service = engine_worker(engine, tokenizer, settings, channel, remote.EngineService)
+        return remote.serve_split(service, (tokenizer, EngineInfo.of(engine)), settings, sock)
+    app = build_app(engine_worker(engine, tokenizer, settings, channel), tokenizer, settings, EngineInfo.of(engine))
+    announce(settings, sock)
+    return run_uvicorn(app, settings, sock)
+
+
+def announce(settings, sock):
+    """The line tools and benchmarks wait for: the address, and the pid to send SIGTERM to."""
     host, port = sock.getsockname()[:2]
-    app = build_app(engine, tokenizer, settings, channel)
+    print(f"serving {settings.model_name} at http://{host if ':' not in host else f'[{host}]'}:{port} "
+          f"(pid {os.getpid()})", flush=True)
+
+
+def run_uvicorn(app, settings, sock, client=None):
+    """uvicorn on sock until SIGTERM or SIGINT (graceful: in-flight requests finish first); 0. client: the app's
+    remote.EngineClient: its engine process going away unasked shuts the server down too (then 1)."""
+    import uvicorn
+
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
                             timeout_keep_alive=5, server_header=False)
     server = uvicorn.Server(config)
@@ -389,8 +435,12 @@ def serve(engine, tokenizer, settings, sock=None, channel=None):
     received = []
     previous = {sig: signal.signal(sig, lambda s, frame: received.append(s)) for sig in (signal.SIGINT,
                                                                                          signal.SIGTERM)}
-    print(f"serving {settings.model_name} at http://{host if ':' not in host else f'[{host}]'}:{port} "
-          f"(pid {os.getpid()})", flush=True)
+    engine_gone = []
+    if client is not None:
+        def shut_down():
+            engine_gone.append(True)
+            server.should_exit = True
+        client.on_engine_exit = shut_down
     try:
         server.run(sockets=[sock])
     finally:
@@ -399,7 +449,7 @@ def serve(engine, tokenizer, settings, sock=None, channel=None):
         sock.close()
     if received:
         logger.info("server: stopped by %s", ", ".join(signal.Signals(s).name for s in received))
-    return 0
+    return 1 if engine_gone else 0
 
 
 def serve_tensor_parallel(engine, tokenizer, settings, state, sock=None):

@@ -182,6 +182,7 @@ class EngineWorker:
                     return
                 self.stats.update(running=len(engine.running), waiting=len(engine.waiting))
                 self.stats["host_s"] += time.perf_counter() - begin - self._step_s
+                self._round_done()
         except Exception as err:  # a bug: fail what is in flight and queued rather than leave its clients waiting
             logger.exception("server: the engine thread failed; the server answers 503 from now on")
             self.last_error = f"{type(err).__name__}: {err}"
@@ -190,6 +191,7 @@ class EngineWorker:
             with self._lock:
                 self.alive = False
             self._fail_queued()
+            self._round_done()
             if self.channel is not None and not self._desynced:
                 try:
                     self.channel.close()
@@ -255,10 +257,17 @@ class EngineWorker:
         except Exception as err:  # noqa: BLE001  handed to the request that asked, not the engine thread
             logger.exception("server: a scoring call failed")
             result, error = None, err
+        self._answer(future, result, error)
+
+    def _answer(self, future, result, error):
+        """Hands a scoring call's result (or exception) to the request that asked."""
         try:
             self._loop.call_soon_threadsafe(_resolve, future, result, error)
         except RuntimeError:  # the loop has closed
             pass
+
+    def _round_done(self):
+        """After each round and when the thread ends (remote.EngineService publishes its state here)."""
 
     def _step(self, active, num_steps, fault):
         engine = self.engine
@@ -337,11 +346,7 @@ class EngineWorker:
             if kind == "add":
                 rows += payload
             elif kind == "score":
-                try:
-                    self._loop.call_soon_threadsafe(_resolve, payload[1], None,
-                                                    RuntimeError("the engine thread has stopped"))
-                except RuntimeError:
-                    pass
+                self._answer(payload[1], None, RuntimeError("the engine thread has stopped"))
         self._post([(row, [], "error") for row in rows])
 
     def _probe(self):
@@ -355,6 +360,7 @@ class EngineWorker:
             return
         logger.info("server: the engine answers again; healthy")
         self.healthy = True
+        self._round_done()
 
     def _post(self, updates):
         if updates:

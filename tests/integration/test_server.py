@@ -66,8 +66,9 @@ class Server:
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                output = self.output()
                 self.stop()
-                raise AssertionError(f"the server did not come up:\n{self.output()}")
+                raise AssertionError(f"the server did not come up:\n{output}")
             time.sleep(0.2)
 
     def health(self):
