@@ -14,11 +14,11 @@ text_offset) of the completion, and of the prompt too with "echo": true (its fir
 0 with echo scores the prompt alone. They come from one forward pass of prompt + completion on the engine thread
 (megatron/inference/scoring.py), so lm-eval's local-completions backend gets the scores of our own backend.
 
-Processes and threads: by default (ServerSettings.frontend "process") the HTTP side runs in a process of its own
-(remote.py: the app over an EngineClient), and the process that loaded the model runs only its EngineWorker thread
-(remote.EngineService), so the two never wait for each other's GIL. With frontend "thread" the app runs on an asyncio
-loop in the engine's process, beside the EngineWorker thread (worker.py: the thread, and the Job/Row objects that
-carry each request's new ids back to the loop). Either way tokenizing prompts and detokenizing whole sequences run
+Threads and processes: by default (ServerSettings.frontend "thread") the HTTP side runs on one asyncio loop
+(uvicorn) in the engine's process, beside the EngineWorker thread that owns the engine (worker.py: the thread, and
+the Job/Row objects that carry each request's new ids back to the loop). With frontend "process" the app runs in a
+process of its own (remote.py: the app over an EngineClient) and the process that loaded the model runs only its
+EngineWorker (remote.EngineService), so neither waits for the other's GIL. Either way tokenizing prompts and detokenizing whole sequences run
 on a small thread pool, off the loop; the streamed text is decoded incrementally on the loop (a few ids per new id,
 api.IncrementalText). Under tensor parallelism the engine's process is TP rank 0 and its worker broadcasts each
 engine round to the other ranks (worker.follow).
@@ -63,7 +63,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
-    frontend: str = "process"  # the HTTP app in a process of its own ("process") or on a thread beside the engine
+    frontend: str = "thread"  # the HTTP app on a thread beside the engine, or in a process of its own ("process")
 
 
 @dataclass(frozen=True)

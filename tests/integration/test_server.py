@@ -99,10 +99,17 @@ class Server:
         self.log.close()
 
 
+@pytest.fixture(scope="module", params=["thread", "process"])
+def frontend(request):
+    """--frontend: every test of the module runs against both (the HTTP app beside the engine, or in its own
+    process)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def server(checkpoint, frontend, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server_log")
-    srv = Server(checkpoint, folder / "server.log", fault_file=folder / "fault")
+    srv = Server(checkpoint, folder / "server.log", "--frontend", frontend, fault_file=folder / "fault")
     yield srv
     srv.stop()
 
@@ -329,9 +336,9 @@ def test_curl_streaming(server, reference):
     assert chunks[-1]["choices"][0]["finish_reason"] is not None
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoint, client, tmp_path):
+def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoint, frontend, client, tmp_path):
     expected = greedy(client, PROMPTS[1], 600).choices[0].text  # from the module's server
-    srv = Server(checkpoint, tmp_path / "server.log")
+    srv = Server(checkpoint, tmp_path / "server.log", "--frontend", frontend)
     try:
         other = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         first_chunk, result = threading.Event(), {}
@@ -427,10 +434,10 @@ def test_each_choice_of_n_has_its_own_reproducible_seed(client):
 
 
 @pytest.fixture(scope="module")
-def tp2_server(checkpoint, tmp_path_factory):
+def tp2_server(checkpoint, frontend, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp2_server_log")
-    srv = Server(checkpoint, folder / "server.log", "--tensor-model-parallel-size", "2", nproc=2,
-                 fault_file=folder / "fault")
+    srv = Server(checkpoint, folder / "server.log", "--tensor-model-parallel-size", "2", "--frontend", frontend,
+                 nproc=2, fault_file=folder / "fault")
     yield srv
     srv.stop()
 
@@ -457,3 +464,44 @@ def test_a_tensor_parallel_server_answers_as_the_one_process_server(server, clie
     body = {"prompts": PROMPTS, "tokens_to_generate": 12, "temperature": 0.9, "random_seed": 3, "stop_token": 13}
     assert raw(tp2_server, "PUT", "/api", body) == raw(server, "PUT", "/api", body)
     check_engine_fault(tp2_server, tp2, reference, concurrent=5)
+
+
+# ---- --frontend process: the two processes end together -----------------------------------------------------------
+
+def frontend_process(srv):
+    """The spawned HTTP front-end of a --frontend process server (not multiprocessing's resource tracker)."""
+    import psutil
+    children = [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def test_a_killed_front_end_stops_the_engine_process_with_1(checkpoint, tmp_path):
+    srv = Server(checkpoint, tmp_path / "server.log", "--frontend", "process")
+    try:
+        child = frontend_process(srv)
+        assert child.pid != srv.proc.pid
+        child.kill()
+        assert srv.proc.wait(30) == 1
+        errors = [line for line in srv.output().splitlines() if " ERROR " in line]
+        assert errors and errors[-1].endswith("server: the HTTP front-end process exited with -9; see its log above")
+    finally:
+        srv.stop()
+
+
+def test_a_killed_engine_process_ends_the_front_end(checkpoint, tmp_path):
+    import psutil
+    srv = Server(checkpoint, tmp_path / "server.log", "--frontend", "process")
+    try:
+        child = frontend_process(srv)
+        srv.proc.kill()
+        srv.proc.wait(30)
+        child.wait(30)  # it saw the pipe end, stopped serving and exited (psutil.TimeoutExpired if not)
+        with pytest.raises(OSError):
+            srv.health()
+        assert "server: the engine process has exited; answering every request in flight with 500" in srv.output()
+    except psutil.TimeoutExpired:
+        child.kill()
+        raise
+    finally:
+        srv.stop()
