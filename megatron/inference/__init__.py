@@ -11,6 +11,8 @@
     reference.py  the eager path with a growing cache (the engine is tested against it and against HF)
     api.py        the server's request validation, streamed text deltas and response objects (pure)
     server.py     the HTTP server: OpenAI completions + Megatron's PUT /api over one engine thread
+    worker.py     the engine thread (EngineWorker), TP plans, the rows of one HTTP request
+    remote.py     --frontend process: the HTTP app in a process of its own, over a pipe to the engine's process
 """
 from megatron.inference.engine import InferenceEngine, Request
 from megatron.inference.kv_cache import StaticKVCache

@@ -10,6 +10,17 @@ from megatron.model.hf_bloom import from_hf_state_dict
 VOCAB = 256  # the tests' vocabulary (ids 1-3: bos, eos, pad)
 
 
+@pytest.fixture
+def engine_fault(tmp_path, monkeypatch):
+    """The engine worker's test fault file (every step fails while it exists), probed every 50 ms while idle."""
+    from megatron.inference import worker
+
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(worker.FAULT_HOOK, str(fault))
+    monkeypatch.setattr(worker, "PROBE_INTERVAL", 0.05)
+    return fault
+
+
 @pytest.fixture(scope="module")
 def pair():
     """A random HF BLOOM with large weights (so greedy decoding does not just repeat) and our copy."""

@@ -32,7 +32,7 @@ def connect(engine, steps_per_sync=2, scorer=None):
 
 
 def test_rows_cancellations_and_scores_cross_the_pipe():
-    engine = tiny_engine()
+    engine = tiny_engine(seq_length=600)
     greedy, sampled = SamplingParams(greedy=True, max_new_tokens=12), SamplingParams(temperature=0.8, top_k=20,
                                                                                      max_new_tokens=9)
     prompts = [[5, 9, 3], [7, 1], [11, 12, 13, 14], [2, 4, 6, 8, 10], [3, 3]]
@@ -52,13 +52,13 @@ def test_rows_cancellations_and_scores_cross_the_pipe():
         scored = client.score([[1, 2], [3]], [(0, [2]), (0, [])], 2)  # holds the engine thread until released
         jobs = [rows_of(Job(client, lambda job: None), client, [p], greedy if i % 2 == 0 else sampled, [40 + i])
                 for i, p in enumerate(prompts)]  # five rows, four slots
-        long = rows_of(Job(client, lambda job: None), client, [[9, 9, 9]],
-                       SamplingParams(greedy=True, max_new_tokens=50))
         release.set()
         result = await scored
         for job in jobs:
             await job.wait()
-        await long.next()  # it has started
+        long = rows_of(Job(client, lambda job: None), client, [[9, 9, 9]],
+                       SamplingParams(greedy=True, max_new_tokens=500))
+        await long.next()  # it has started (250 rounds to go)
         cancelled = long.release()
         for _ in range(200):
             if client.stats["cancelled"] == 1 and client.stats["running"] == 0:
@@ -71,7 +71,7 @@ def test_rows_cancellations_and_scores_cross_the_pipe():
     result, outputs, cancelled, long_tokens, stats = asyncio.run(scenario())
     assert result == [("scored", [1, 2], 2), ("scored", [3], 2)]
     assert outputs == solo
-    assert cancelled == 1 and long_tokens < 50
+    assert cancelled == 1 and long_tokens < 500
     assert (stats["finished"], stats["cancelled"], stats["running"], stats["peak_running"]) == (5, 1, 0, 4)
     assert stats["delivered_ids"] >= sum(map(len, outputs)) + long_tokens  # + ids in flight at the cancel
     assert stats["rounds"]["admitted"] - admitted == 6
@@ -101,12 +101,10 @@ def test_only_new_ids_cross_the_pipe():
     assert per_token[512] <= 1.1 * per_token[64], per_token
 
 
-def test_a_failed_step_reaches_the_client_with_its_health(tmp_path, monkeypatch):
-    from megatron.inference import worker as worker_module
+def test_a_failed_step_reaches_the_client_with_its_health(engine_fault):
+    from megatron.inference.worker import FAULT_HOOK
 
-    fault = tmp_path / "fault"
-    monkeypatch.setenv(worker_module.FAULT_HOOK, str(fault))
-    monkeypatch.setattr(worker_module, "PROBE_INTERVAL", 0.05)
+    fault = engine_fault
     engine = tiny_engine()
     params = SamplingParams(greedy=True, max_new_tokens=6)
     solo = engine.generate([[5, 9, 3]], params)[0]
@@ -132,7 +130,7 @@ def test_a_failed_step_reaches_the_client_with_its_health(tmp_path, monkeypatch)
 
     reasons, (healthy, error), errors, output = asyncio.run(scenario())
     assert reasons == ["error"] * 6
-    assert not healthy and error == f"InjectedFault: injected engine fault ({worker_module.FAULT_HOOK})"
+    assert not healthy and error == f"InjectedFault: injected engine fault ({FAULT_HOOK})"
     assert errors == 1 and output == solo
 
 

@@ -340,10 +340,11 @@ def test_a_burst_of_requests_is_admitted_in_one_round_with_their_solo_outputs():
     prompts = [[5, 9, 3 + i, 7][:2 + i % 3] for i in range(5)]
     solo = [engine.generate([p], params)[0] for p in prompts]
     engine.stats.update(rounds=0, prefill_rounds=0, admitted=0, decode_steps=0)
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     class BusyScorer:
         def score(self, *args):
+            entered.set()
             release.wait(30)
             return "scored"
 
@@ -351,6 +352,7 @@ def test_a_burst_of_requests_is_admitted_in_one_round_with_their_solo_outputs():
         worker = EngineWorker(engine, steps_per_sync=4, scorer=BusyScorer())
         worker.start(asyncio.get_running_loop())
         scored = worker.score([[1, 2]], [(0, [2])], None)
+        assert await asyncio.to_thread(entered.wait, 30)  # the engine thread is busy: the five wait in its queue
         jobs = [rows_of(Job(worker, lambda job: None), worker, [p], params) for p in prompts]  # 5 submits
         release.set()
         assert await scored == "scored"
@@ -373,12 +375,8 @@ def rows_of(job, worker, prompts, params, seeds=None):
     return job
 
 
-def test_a_failed_step_fails_every_row_and_the_worker_recovers(tmp_path, monkeypatch):
-    from megatron.inference import worker as worker_module
-
-    fault = tmp_path / "fault"
-    monkeypatch.setenv(worker_module.FAULT_HOOK, str(fault))
-    monkeypatch.setattr(worker_module, "PROBE_INTERVAL", 0.05)
+def test_a_failed_step_fails_every_row_and_the_worker_recovers(engine_fault):
+    fault = engine_fault
     engine = tiny_engine()
     params = SamplingParams(greedy=True, max_new_tokens=6)
     prompts = [[5, 9, 3 + i] for i in range(6)]
