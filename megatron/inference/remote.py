@@ -62,19 +62,23 @@ class EngineService(EngineWorker):
         super().__init__(engine, steps_per_sync, scorer=scorer, channel=channel)
         self._conn = None
         self._send_lock = threading.Lock()  # the engine thread and the command reader both send
+        self.frontend_ready = threading.Event()  # the front-end handles SIGTERM from now on
 
     def start(self, conn):
         """Starts the engine thread and the command reader on conn, the engine's end of the pipe."""
         self._conn = conn
-        super().start(None)
-        self._send(("state", self._state()))  # the front-end starts serving once it has this
+        with self._send_lock:  # the front-end serves once it has this state; a thread dying at once sends after it
+            super().start(None)
+            conn.send(("state", self._state()))
         threading.Thread(target=self._receive, name="engine-commands", daemon=True).start()
 
     def _receive(self):
         try:
             while True:
                 kind, payload = self._conn.recv()
-                if kind == "add":
+                if kind == "ready":
+                    self.frontend_ready.set()
+                elif kind == "add":
                     self.submit([RemoteRow(*fields) for fields in payload])
                 elif kind == "cancel":
                     keys, count = payload
@@ -89,14 +93,16 @@ class EngineService(EngineWorker):
         except (EOFError, OSError):  # the front-end has gone without saying stop
             logger.warning("server: the HTTP front-end process has gone; stopping the engine")
             self._put(("stop", None))
+        except Exception:  # a message this side cannot read: nothing would answer what follows
+            logger.exception("server: a message from the HTTP front-end could not be read; stopping the engine")
+            self._put(("stop", None))
 
     def _post(self, updates):
-        if updates:
-            self._send(("updates", [(row.key, new, reason) for row, new, reason in updates],
-                        (self.alive, self.healthy, self.last_error)))
+        if updates:  # with the state, so that /health is current when a client has its answer
+            self._send(("updates", [(row.key, new, reason) for row, new, reason in updates], self._state()))
 
     def _answer(self, score_id, result, error):
-        self._send(("scored", (score_id, result, None if error is None else f"{type(error).__name__}: {error}")))
+        self._send(("scored", (score_id, result, None if error is None else (type(error).__name__, str(error)))))
 
     def _round_done(self):
         self._send(("state", self._state()))
@@ -111,6 +117,8 @@ class EngineService(EngineWorker):
                 self._conn.send(message)
             except (OSError, ValueError):  # the front-end has gone; the reader stops the engine
                 pass
+            except Exception:  # noqa: BLE001  never the engine thread's end
+                logger.exception("server: could not send a %r message to the HTTP front-end", message[0])
 
 
 def serve_split(service, frontend_args, settings, sock):
@@ -124,21 +132,29 @@ def serve_split(service, frontend_args, settings, sock):
     here, there = context.Pipe(duplex=True)
     frontend = context.Process(target=run_frontend, name="megatron-http",
                                args=(there, sock, settings, *frontend_args, logging.getLogger().level))
-    received = []
+    received, forwarded = [], [0]
 
-    def forward(signum, frame):
-        if not received and frontend.pid is not None and frontend.exitcode is None:
-            os.kill(frontend.pid, signal.SIGTERM)  # once: uvicorn takes a second signal as "exit now"
-        received.append(signum)
+    def forward():
+        """The first signal as SIGTERM (uvicorn's graceful shutdown), each later SIGINT as SIGINT (a second Ctrl-C:
+        uvicorn exits at once); held until the front-end handles them."""
+        if not service.frontend_ready.is_set() or frontend.exitcode is not None:
+            return
+        for signum in received[forwarded[0]:]:
+            if forwarded[0] == 0 or signum == signal.SIGINT:
+                os.kill(frontend.pid, signal.SIGTERM if forwarded[0] == 0 else signal.SIGINT)
+            forwarded[0] += 1
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda signum, frame: (received.append(signum), forward()))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         service.start(here)
         frontend.start()
         there.close()
         announce(settings, sock)
         logger.info("server: the HTTP front-end runs in process %d", frontend.pid)
-        frontend.join()
+        while frontend.exitcode is None:
+            frontend.join(0.1)
+            forward()  # a signal that came before the front-end was ready
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -196,6 +212,10 @@ class EngineClient:
         self._outbox.put(("add", [(row.key, row.prompt_ids, row.params, row.seed) for row in rows]))
 
     def cancel(self, rows, count=True):
+        """Rows the front-end has finished already (a client gone, a stop string): the engine sends no more of
+        them that anyone reads."""
+        for row in rows:
+            self._rows.pop(row.key, None)
         self._outbox.put(("cancel", ([row.key for row in rows], count)))
 
     def score(self, sequences, spans, top_n):
@@ -223,6 +243,8 @@ class EngineClient:
                 self._conn.send(message)
             except (OSError, ValueError):  # the engine process has gone: the reader sees it too
                 return
+            except Exception:  # noqa: BLE001  keep sending the rest
+                logger.exception("server: could not send a %r message to the engine", message[0])
             if message[0] == "stop":
                 return
 
@@ -232,6 +254,9 @@ class EngineClient:
                 message = self._conn.recv()
                 self._call(self._handle, message)
         except (EOFError, OSError):
+            self._call(self._engine_gone)
+        except Exception:  # a message this side cannot read: treat the engine as gone rather than hang
+            logger.exception("server: a message from the engine could not be read")
             self._call(self._engine_gone)
 
     def _call(self, fn, *args):
@@ -252,12 +277,12 @@ class EngineClient:
             score_id, result, error = payload[0]
             future = self._scores.pop(score_id, None)
             if future is not None:
-                _resolve(future, result, None if error is None else RuntimeError(error))
+                _resolve(future, result, None if error is None else type(error[0], (RuntimeError,), {})(error[1]))
 
-    def _updates(self, items, health, rows=None):
+    def _updates(self, items, state, rows=None):
         begin = time.perf_counter()
-        if health is not None:
-            self.alive, self.healthy, self.last_error = health
+        if state is not None:
+            self._apply_state(state)
         by_key = {row.key: row for row in rows} if rows else self._rows
         for key, new_ids, reason in items:
             row = by_key.pop(key, None) if reason is not None else by_key.get(key)
@@ -294,9 +319,13 @@ def run_frontend(conn, sock, settings, tokenizer, info, log_level):
 
     from megatron.inference import server
 
-    os.setpgrp()  # a terminal's Ctrl-C reaches the engine process only, which forwards one SIGTERM here
+    os.setpgrp()  # a terminal's Ctrl-C reaches the engine process only, which forwards it here
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    conn.send(("ready", None))  # the engine process forwards signals from now on
     logging.basicConfig(level=log_level, format=server.LOG_FORMAT)
     client = EngineClient(conn)
     app = server.build_app(client, tokenizer, settings, info)
-    code = server.run_uvicorn(app, settings, sock, client)
+    code = server.run_uvicorn(app, settings, sock, client, received)
     sys.exit(code)

@@ -422,9 +422,10 @@ def announce(settings, sock):
           f"(pid {os.getpid()})", flush=True)
 
 
-def run_uvicorn(app, settings, sock, client=None):
+def run_uvicorn(app, settings, sock, client=None, received=None):
     """uvicorn on sock until SIGTERM or SIGINT (graceful: in-flight requests finish first); 0. client: the app's
-    remote.EngineClient: its engine process going away unasked shuts the server down too (then 1)."""
+    remote.EngineClient: its engine process going away unasked shuts the server down too (then 1). received: the
+    signals recorded so far (a SIGTERM before uvicorn ran: it starts and shuts down at once)."""
     import uvicorn
 
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
@@ -432,9 +433,10 @@ def run_uvicorn(app, settings, sock, client=None):
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in place (it
     # restores them first) that is a no-op, so a SIGTERM ends the process with 0 after the graceful shutdown
-    received = []
+    received = [] if received is None else received
     previous = {sig: signal.signal(sig, lambda s, frame: received.append(s)) for sig in (signal.SIGINT,
                                                                                          signal.SIGTERM)}
+    server.should_exit = bool(received)
     engine_gone = []
     if client is not None:
         def shut_down():

@@ -201,12 +201,16 @@ class EngineWorker:
     def _round(self, commands, active):
         """Applies one round of commands and runs one engine step; False once told to stop."""
         engine, plan, scores = self.engine, [], []
-        for kind, payload in commands:
+        for index, (kind, payload) in enumerate(commands):
             if kind == "stop":
                 for request in active.values():
                     engine.cancel(request)
                 self._post([(row, [], "cancelled") for row in active])
                 active.clear()
+                for _, future in scores:  # taken with the stop: answered, not dropped
+                    self._answer(future, None, RuntimeError("the engine thread has stopped"))
+                for command in commands[index + 1:]:  # _fail_queued answers them
+                    self._commands.put(command)
                 return False
             if kind == "add":
                 added = self._add(payload, active)
@@ -357,6 +361,7 @@ class EngineWorker:
             probe_device(self.engine.device)
         except Exception as err:  # noqa: BLE001  still unhealthy; /health says why
             self.last_error = f"{type(err).__name__}: {err}"
+            self._round_done()
             return
         logger.info("server: the engine answers again; healthy")
         self.healthy = True

@@ -476,6 +476,30 @@ def frontend_process(srv):
     return children[0]
 
 
+def test_a_sigterm_while_the_front_end_starts_is_kept_for_it(checkpoint, tmp_path):
+    """The serving line comes before the spawned front-end can take signals: a SIGTERM then still stops the server
+    gracefully (exit 0), not lost and not killing the front-end."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PYTHON, str(ROOT / "tools" / "run_text_generation_server.py"), "--load",
+                                 str(checkpoint), "--port", str(port), "--max-seq-len", "64", "--frontend", "process",
+                                 "--log-level", "warning"], cwd=ROOT, env=env(), stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving ckpt at" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert " ERROR " not in log.read_text()
+
+
 def test_a_killed_front_end_stops_the_engine_process_with_1(checkpoint, tmp_path):
     srv = Server(checkpoint, tmp_path / "server.log", "--frontend", "process")
     try:

@@ -42,6 +42,8 @@ def test_rows_cancellations_and_scores_cross_the_pipe():
     class Scorer:
         def score(self, sequences, spans, top_n):
             release.wait(30)
+            if top_n == 99:
+                raise ValueError("top_n 99 is too many")
             return [("scored", seq, top_n) for seq in sequences]
 
     service, client, _ = connect(engine, scorer=Scorer())
@@ -52,8 +54,13 @@ def test_rows_cancellations_and_scores_cross_the_pipe():
         scored = client.score([[1, 2], [3]], [(0, [2]), (0, [])], 2)  # holds the engine thread until released
         jobs = [rows_of(Job(client, lambda job: None), client, [p], greedy if i % 2 == 0 else sampled, [40 + i])
                 for i, p in enumerate(prompts)]  # five rows, four slots
+        failing = client.score([[1, 2]], [(0, [2])], 99)
         release.set()
         result = await scored
+        try:
+            await failing
+        except RuntimeError as err:  # the scorer's exception type by name (the HTTP 500 names it)
+            failure = (type(err).__name__, str(err))
         for job in jobs:
             await job.wait()
         long = rows_of(Job(client, lambda job: None), client, [[9, 9, 9]],
@@ -64,12 +71,14 @@ def test_rows_cancellations_and_scores_cross_the_pipe():
             if client.stats["cancelled"] == 1 and client.stats["running"] == 0:
                 break
             await asyncio.sleep(0.02)
-        stats = client.stats
+        stats, held = client.stats, len(client._rows)
         await asyncio.to_thread(client.stop)
-        return result, [job.rows[0].output for job in jobs], cancelled, len(long.rows[0].output), stats
+        return result, failure, [job.rows[0].output for job in jobs], cancelled, len(long.rows[0].output), stats, held
 
-    result, outputs, cancelled, long_tokens, stats = asyncio.run(scenario())
+    result, failure, outputs, cancelled, long_tokens, stats, held = asyncio.run(scenario())
     assert result == [("scored", [1, 2], 2), ("scored", [3], 2)]
+    assert failure == ("ValueError", "top_n 99 is too many")
+    assert held == 0  # no row is kept once finished or cancelled
     assert outputs == solo
     assert cancelled == 1 and long_tokens < 500
     assert (stats["finished"], stats["cancelled"], stats["running"], stats["peak_running"]) == (5, 1, 0, 4)
