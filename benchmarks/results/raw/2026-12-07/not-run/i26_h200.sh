@@ -2,14 +2,10 @@
 # Issue 26's must-show in one H200 call (HF eager needs ~102 GiB: run with needs_h200): the DGELU epilogue's GPU
 # tests on the final code, ours (--compile-blocks, --gemm-epilogues on by default) vs HF eager vs HF + torch.compile
 # with the step profile, the same step through deepspeed pretrain_bloom.py on the sample corpus, then with
-# --checkpoint-activations. Copy to .gpu/ and run: BUDGET=570 bash .gpu/i26_h200.sh
+# --checkpoint-activations. Run: BUDGET=570 bash benchmarks/results/raw/2026-12-07/not-run/i26_h200.sh
 set -uo pipefail
 T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
-left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+source benchmarks/device_setup.sh
 echo "== DGELU epilogue GPU tests $(date +%T)"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_gemm_epilogue.py > $OUT/gpu_epilogue.log 2>&1
 echo "exit $?"; grep -E "passed|failed|^FAILED" $OUT/gpu_epilogue.log | tail -6
