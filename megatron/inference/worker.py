@@ -83,16 +83,20 @@ class PlanChannel:
         self.group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(days=365))
         self.is_source = dist.get_rank() == self.src
         self.stopped = False
+        self._lock = threading.Lock()  # the engine thread and close() after a timed-out stop: one broadcast at a time
 
     def send(self, plan):
+        """Broadcasts plan to the other ranks; nothing once a stop has gone (they no longer listen)."""
         import torch.distributed as dist
-        self.stopped = self.stopped or any(kind == "stop" for kind, _ in plan)
-        dist.broadcast_object_list([plan], src=self.src, group=self.group)
+        with self._lock:
+            if self.stopped:
+                return
+            self.stopped = any(kind == "stop" for kind, _ in plan)
+            dist.broadcast_object_list([plan], src=self.src, group=self.group)
 
     def close(self):
         """Rank 0: tells the other ranks to stop, unless a plan did already (the worker never started)."""
-        if not self.stopped:
-            self.send([("stop", None)])
+        self.send([("stop", None)])
 
     def receive(self):
         import torch.distributed as dist

@@ -446,3 +446,30 @@ def test_logprobs_and_echo_scoring_are_parsed():
     req = api.parse_completion_request({"prompt": [[5, 6]], "max_tokens": 0, "echo": True, "logprobs": 1}, LIMITS)
     assert (req.max_tokens, req.echo, req.logprobs, req.prompts) == (0, True, 1, [[5, 6]])
     assert api.parse_completion_request({"prompt": "x"}, LIMITS).logprobs is None
+
+
+def test_the_plan_channel_sends_nothing_after_its_stop(monkeypatch):
+    """Rank 0's close() after a timed-out worker stop and the engine thread's own last plans: one stop reaches the
+    other ranks and nothing after it (they have left the broadcast loop; a later broadcast would hang)."""
+    import torch.distributed as dist
+
+    from megatron.inference.worker import PlanChannel
+
+    sent = []
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, group: sent.append(box[0]))
+
+    def fresh():  # PlanChannel's state without a process group
+        channel = object.__new__(PlanChannel)
+        channel.src, channel.group, channel.stopped, channel._lock = 0, None, False, threading.Lock()
+        return channel
+
+    channel = fresh()
+    channel.send([("step", (4, False))])
+    channel.send([("cancel", [3]), ("stop", None)])
+    channel.send([("step", (4, False))])
+    channel.close()
+    assert sent == [[("step", (4, False))], [("cancel", [3]), ("stop", None)]]
+    channel = fresh()
+    channel.close()  # the worker never started: close() says stop
+    channel.close()
+    assert sent[2:] == [[("stop", None)]]
