@@ -50,6 +50,7 @@ TINY_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
 
 def parse_args(argv=None):
     from megatron.inference.loading import add_decode_flags
+    from megatron.inference.server import FRONTENDS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
@@ -72,7 +73,7 @@ def parse_args(argv=None):
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval in the server process (default: Python's 0.005 s): how long the "
                              "engine thread may wait for the GIL while the event loop holds it")
-    parser.add_argument("--frontend", choices=["thread", "process"], default="thread",
+    parser.add_argument("--frontend", choices=FRONTENDS, default=FRONTENDS[0],
                         help="the server's HTTP front-end on a thread beside the engine (default, as the tool's) or "
                              "in a process of its own")
     parser.add_argument("--tp", type=int, default=1,

@@ -36,6 +36,7 @@ API_KEY_ENV = "MEGATRON_SERVER_API_KEY"
 
 def parse_args(argv=None):
     from megatron.inference.loading import add_decode_flags, add_model_flags
+    from megatron.inference.server import FRONTENDS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_flags(parser)
@@ -69,7 +70,7 @@ def parse_args(argv=None):
                              "%(default)s)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="never stop at the end-of-document token (benchmarks: every completion gets max_tokens)")
-    parser.add_argument("--frontend", default="thread", choices=["thread", "process"],
+    parser.add_argument("--frontend", default=FRONTENDS[0], choices=FRONTENDS,
                         help="thread (default): the HTTP front-end (uvicorn, request parsing, tokenization, "
                              "detokenization) runs on an asyncio thread in the engine's process; process: in a "
                              "process of its own, so it never holds the GIL the engine needs to launch a round (as "

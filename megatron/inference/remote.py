@@ -10,14 +10,17 @@ EngineWorker thread and a thread that reads the front-end's commands; the front-
     engine process (the one started; TP rank 0)            front-end process (spawned)
       EngineService: EngineWorker + a command reader   <->   EngineClient: EngineWorker's interface for the app
                        one duplex pipe (multiprocessing.Pipe), pickled tuples:
-      <- ("add", [(key, prompt ids, params, seed)]), ("cancel", (keys, count)), ("score", (args, id)), ("stop", None)
-      -> ("updates", [(key, new ids, reason)], health), ("state", {...}), ("scored", (id, result, error))
+      <- ("ready", None), ("add", [(key, prompt ids, params, seed)]), ("cancel", (keys, count)),
+         ("score", (args, id)), ("stop", None)
+      -> ("state", {...}), ("updates", [(key, new ids, reason)], {state}), ("scored", (id, result, error))
 
 Only new ids cross the pipe (the host work per token does not grow with the output's length); the text is made in
-the front-end. The engine process publishes its health and counters after every round, so GET /health answers from
-the front-end's copy at once, even while the engine is inside a long step. Signals: the front-end sits in its own
-process group, and the engine process turns a SIGTERM or SIGINT into one SIGTERM for it (uvicorn's graceful
-shutdown: in-flight requests finish, then the engine stops). Either side exiting is seen by the other as the pipe's
+the front-end. The engine process publishes its health and counters with every update and after every round (a
+state is ~0.5 kB, ~8 us to build, send and read), so GET /health answers from the front-end's copy at once, even
+while the engine is inside a long step, and is current when a client has its answer. Signals: the front-end sits
+in its own process group; the engine process forwards the first SIGTERM or SIGINT as SIGTERM (uvicorn's graceful
+shutdown: in-flight requests finish, then the engine stops) and a later SIGINT as SIGINT (uvicorn exits at once),
+holding them until the front-end says it is ready for them. Either side exiting is seen by the other as the pipe's
 end: the front-end then answers 500/503 and shuts down, the engine process stops its engine thread.
 """
 import itertools
@@ -204,11 +207,11 @@ class EngineClient:
         threading.Thread(target=self._receive_loop, name="engine-receive", daemon=True).start()
 
     def submit(self, rows):
-        if not self.alive:
-            self._loop.call_soon(self._updates, [(row.key, [], "error") for row in rows], None, rows)
-            return
         for row in rows:
             self._rows[row.key] = row
+        if not self.alive:
+            self._loop.call_soon(self._updates, [(row.key, [], "error") for row in rows], None)
+            return
         self._outbox.put(("add", [(row.key, row.prompt_ids, row.params, row.seed) for row in rows]))
 
     def cancel(self, rows, count=True):
@@ -279,13 +282,12 @@ class EngineClient:
             if future is not None:
                 _resolve(future, result, None if error is None else type(error[0], (RuntimeError,), {})(error[1]))
 
-    def _updates(self, items, state, rows=None):
+    def _updates(self, items, state):
         begin = time.perf_counter()
         if state is not None:
             self._apply_state(state)
-        by_key = {row.key: row for row in rows} if rows else self._rows
         for key, new_ids, reason in items:
-            row = by_key.pop(key, None) if reason is not None else by_key.get(key)
+            row = self._rows.pop(key, None) if reason is not None else self._rows.get(key)
             if row is not None:
                 row.job.on_update(row, new_ids, reason)
                 self._local["delivered_ids"] += len(new_ids)

@@ -47,7 +47,7 @@ from megatron.inference.worker import EngineWorker, Job, Row, raise_failed
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-FRONTENDS = ("process", "thread")
+FRONTENDS = ("thread", "process")  # --frontend; the first is the default
 
 
 @dataclass(frozen=True)
