@@ -28,4 +28,7 @@ echo "== --checkpoint-activations $(date +%T) (left $(left)s)"
 timeout $(( $(left) - 3 )) python3 tools/benchmark_training.py --skip-hf --compile-blocks --checkpoint-activations \
   --iters 2 --warmup-iters 1 --output $OUT/train_ckpt.json > $OUT/train_ckpt.log 2>&1
 echo "exit $?"; grep -v "^\[W" $OUT/train_ckpt.log | grep -E "^side " | head -2
+echo "== PDL probe $(date +%T) (left $(left)s)"
+timeout $(( $(left) - 3 )) python3 benchmarks/decode_pdl_probe.py --output $OUT/pdl_probe.json > $OUT/pdl_probe.log 2>&1
+echo "exit $?"; grep -v "^\[W" $OUT/pdl_probe.log | tail -8 | cut -c1-300
 echo "== end $(date +%T) (left $(left)s)"
