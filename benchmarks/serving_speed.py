@@ -9,7 +9,7 @@ at the same batch (tokens/s), with time to first token and per output token.
         [--clients 1 8 32 64 --prompt-len 32 --new-tokens 256 --requests-per-client 2 --steps-per-sync 8]
         [--graph-step --compile-mode default --gemm auto]     # the engine's decode options (the tools' flags)
         [--switch-interval 0.001]                             # the server process's GIL switch interval
-        [--frontend process]                                  # the HTTP app in its own process (default: thread)
+        [--frontend thread]                                   # the HTTP app on a thread (default: its own process)
 
 A child process builds the model and one InferenceEngine (max batch = the most clients, every decode graph captured
 at start-up as tools/run_text_generation_server.py does; --compile-mode, --graph-step and --gemm as the tool's),
@@ -74,8 +74,8 @@ def parse_args(argv=None):
                         help="sys.setswitchinterval in the server process (default: Python's 0.005 s): how long the "
                              "engine thread may wait for the GIL while the event loop holds it")
     parser.add_argument("--frontend", choices=FRONTENDS, default=FRONTENDS[0],
-                        help="the server's HTTP front-end on a thread beside the engine (default, as the tool's) or "
-                             "in a process of its own")
+                        help="the server's HTTP front-end in a process of its own (default, as the tool's) or on a "
+                             "thread beside the engine")
     parser.add_argument("--tp", type=int, default=1,
                         help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
                              "the CPU); the engine figures are then the TP engine's")

@@ -71,10 +71,10 @@ def parse_args(argv=None):
     parser.add_argument("--ignore-eos", action="store_true",
                         help="never stop at the end-of-document token (benchmarks: every completion gets max_tokens)")
     parser.add_argument("--frontend", default=FRONTENDS[0], choices=FRONTENDS,
-                        help="thread (default): the HTTP front-end (uvicorn, request parsing, tokenization, "
-                             "detokenization) runs on an asyncio thread in the engine's process; process: in a "
-                             "process of its own, so it never holds the GIL the engine needs to launch a round (as "
-                             "vLLM splits its API server from its engine core)")
+                        help="process (default): the HTTP front-end (uvicorn, request parsing, tokenization, "
+                             "detokenization) runs in a process of its own, so it never holds the GIL the engine "
+                             "needs to launch a round (as vLLM splits its API server from its engine core); thread: "
+                             "on an asyncio thread in the engine's process")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="default: %(default)s; warning hides the access log")
     return parser.parse_args(argv)

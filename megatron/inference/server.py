@@ -14,11 +14,11 @@ text_offset) of the completion, and of the prompt too with "echo": true (its fir
 0 with echo scores the prompt alone. They come from one forward pass of prompt + completion on the engine thread
 (megatron/inference/scoring.py), so lm-eval's local-completions backend gets the scores of our own backend.
 
-Threads and processes: by default (ServerSettings.frontend "thread") the HTTP side runs on one asyncio loop
-(uvicorn) in the engine's process, beside the EngineWorker thread that owns the engine (worker.py: the thread, and
-the Job/Row objects that carry each request's new ids back to the loop). With frontend "process" the app runs in a
-process of its own (remote.py: the app over an EngineClient) and the process that loaded the model runs only its
-EngineWorker (remote.EngineService), so neither waits for the other's GIL. Either way tokenizing prompts and detokenizing whole sequences run
+Threads and processes: by default (ServerSettings.frontend "process") the app runs in a process of its own
+(remote.py: the app over an EngineClient) and the process that loaded the model runs only its EngineWorker
+(remote.EngineService), so neither waits for the other's GIL. With frontend "thread" the HTTP side runs on one
+asyncio loop (uvicorn) in the engine's process, beside the EngineWorker thread that owns the engine (worker.py: the
+thread, and the Job/Row objects that carry each request's new ids back to the loop). Either way tokenizing prompts and detokenizing whole sequences run
 on a small thread pool, off the loop; the streamed text is decoded incrementally on the loop (a few ids per new id,
 api.IncrementalText). Under tensor parallelism the engine's process is TP rank 0 and its worker broadcasts each
 engine round to the other ranks (worker.follow).
@@ -47,7 +47,7 @@ from megatron.inference.worker import EngineWorker, Job, Row, raise_failed
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-FRONTENDS = ("thread", "process")  # --frontend; the first is the default
+FRONTENDS = ("process", "thread")  # --frontend; the first is the default
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
-    frontend: str = "thread"  # the HTTP app on a thread beside the engine, or in a process of its own ("process")
+    frontend: str = FRONTENDS[0]  # the HTTP app in a process of its own (remote.py), or on a thread beside the engine
 
 
 @dataclass(frozen=True)
