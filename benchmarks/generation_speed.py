@@ -20,8 +20,9 @@ then on, and the row says so (mode and note in the JSON); `default` = HF's defau
 
 Every side runs greedy decoding of the same random BLOOM, eos disabled, so each row generates exactly
 --new-tokens tokens; the first run of each is a warm-up (compilation, graph capture: its time is reported as
-warmup_s), then the best of --repeats. The bandwidth bound is batch x --bandwidth-tbps / bytes read per step
-(every weight once + the keys/values of each row's average context); the fraction is measured / bound.
+warmup_s), then the best of --repeats. The bandwidth bound is batch x --bandwidth-tbps (default: the card's
+nominal figure) / bytes read per step (every weight once + the keys/values of each row's average context); the
+fraction is measured / bound.
 Ours runs at every batch size first, then HF (a row per side as it is measured; at --equality-batches our
 rows again with the count of rows equal to HF's). Rows equal to HF: per row, with each divergence measured on HF's own logits (a bf16
 near-tie or not: megatron/inference/parity.py). Prefill: the time to the first token of one --prefill-len
@@ -74,7 +75,9 @@ def parse_args(argv=None):
     parser.add_argument("--hf-static-batch-sizes", type=int, nargs="+", default=[1, 8],
                         help="with --hf static: the batch sizes that try it (others: HF default generate)")
     parser.add_argument("--equality-batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="memory bandwidth (H200: 4.8 TB/s)")
+    parser.add_argument("--bandwidth-tbps", type=float, default=None,
+                        help="memory bandwidth of the bound (default: the card's nominal figure, NOMINAL_TBPS; "
+                             "4.8, the H200's, for any other device)")
     parser.add_argument("--prefill-len", type=int, default=None, help="default: 2048 on cuda, 0 (skip) on cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-repeats", type=int, default=None, help="HF's timed runs (default: --repeats)")
@@ -106,6 +109,17 @@ def parse_args(argv=None):
     args.hf_repeats = args.hf_repeats or args.repeats
     args.prefill_len = (2048 if cuda else 0) if args.prefill_len is None else args.prefill_len
     return args
+
+
+# The vendors' nominal HBM bandwidths (TB/s) by a part of the device name, most specific first: the bound is the
+# card's own (an H100 SXM's 3.35, not the H200's 4.8 the issue's bars are set against).
+NOMINAL_TBPS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100-SXM4-80GB", 2.039),
+                ("A100 80GB PCIe", 1.935), ("A100", 1.555))
+
+
+def nominal_tbps(device_name):
+    """The bound's bandwidth for a device name: its NOMINAL_TBPS entry, else the H200's 4.8."""
+    return next((tbps for part, tbps in NOMINAL_TBPS if part in device_name), 4.8)
 
 
 def bandwidth_bound_tokens_per_s(batch, weight_bytes, kv_bytes_per_position, mean_context, bandwidth_bytes_per_s):
@@ -193,6 +207,7 @@ def main(argv=None):
     max_seq = max(args.prompt_len + args.new_tokens, args.prefill_len + 1)
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    args.bandwidth_tbps = args.bandwidth_tbps or nominal_tbps(name)
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     kv_per_position = 2 * args.layers * args.hidden * torch.finfo(dtype).bits // 8  # keys + values, every layer
     mean_context = args.prompt_len + (args.new_tokens - 1) / 2  # keys a decode step reads, averaged over the steps

@@ -9,6 +9,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 from benchmarks import generation_speed  # noqa: E402
 
 
+def test_nominal_bandwidth_by_device_name():
+    assert [generation_speed.nominal_tbps(name) for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL",
+                                                            "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "x86_64")] \
+        == [4.8, 3.35, 3.9, 2.0, 2.039, 4.8]
+
+
 def test_bandwidth_bound_by_hand():
     # the 1.72B model's 3.44 GB of bf16 weights at 4.8 TB/s, no cache: 4.8e12 / 3.44e9 tokens/s at batch 1
     assert generation_speed.bandwidth_bound_tokens_per_s(1, 3.44e9, 0, 0, 4.8e12) == pytest.approx(1395.35, abs=0.01)
