@@ -56,8 +56,8 @@ def _kernel():
         if MODE == 3:
             w_first = tl.load(w_ptrs)
         if MODE >= 1:
-            tl.extra.cuda.gdc_launch_dependents()  # the next GEMV may be scheduled now
             tl.extra.cuda.gdc_wait()  # the previous kernel (this one's x) has finished and flushed
+            tl.extra.cuda.gdc_launch_dependents()  # now the next may launch: at most one kernel waits ahead
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # each tile summed over its columns at once: few registers
         if MODE == 3:  # K_START is BLOCK_K: the first columns are in registers already
             acc += tl.sum(w_first.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)

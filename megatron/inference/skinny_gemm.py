@@ -64,11 +64,12 @@ def arrival_counters(device, count):
 
 
 def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_n=64, block_k=128, split_k=1,
-                         last_reduces=False, gemv=False, warps=4, ln_weight=None, ln_bias=None, eps=1e-5):
+                         last_reduces=False, gemv=False, warps=4, ln_weight=None, ln_bias=None, eps=1e-5, pdl=False):
     """The kernel: x (M, K) contiguous rows, weight (N, K), bias (N,), residual (M, N) -> (M, N) in x's dtype.
     last_reduces (split_k > 1): the last split of each tile sums the splits (one launch), else a second kernel.
     gemv (M <= GEMV_ROWS): CUDA-core products instead of a dot; warps: the programs' num_warps.
-    ln_weight, ln_bias (K,), eps: x goes through that LayerNorm first (in the kernel)."""
+    ln_weight, ln_bias (K,), eps: x goes through that LayerNorm first (in the kernel).
+    pdl (Hopper, pdl_available): a programmatic dependent launch (triton_gemm.py)."""
     from megatron.inference.triton_gemm import skinny_gemm_kernel, splitk_epilogue_kernel
     m, k = x.shape
     n = weight.shape[0]
@@ -83,11 +84,11 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
     last_reduces = bool(last_reduces) and split_k > 1
     flags = dict(HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=residual is not None)
     meta = kernel_meta(m, n, k, x.dtype, block_n, block_k, split_k, last_reduces, gemv, warps,
-                       ln=ln_weight is not None, **flags)
+                       ln=ln_weight is not None, pdl=pdl, **flags)
     grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, meta["BLOCK_M"]))
     locks = arrival_counters(x.device, grid[0] * grid[2]) if last_reduces else y
     skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, g, beta, float(eps), m, n, k, x.stride(0),
-                             weight.stride(0), r.stride(0), y.stride(0), **meta)
+                             weight.stride(0), r.stride(0), y.stride(0), **meta, **({"launch_pdl": True} if pdl else {}))
     if split_k > 1 and not last_reduces:
         splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
                                                                          SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
@@ -96,7 +97,7 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
 
 
 def kernel_meta(m, n, k, dtype, block_n, block_k, split_k, last_reduces, gemv, warps, ln, HAS_BIAS, GELU, RESIDUAL,
-                interpreted=_INTERPRETED):
+                interpreted=_INTERPRETED, pdl=False):
     """skinny_gemm_kernel's compile-time arguments (constexprs, num_stages, num_warps) for an (m, k) x (n, k)^T call
     in `dtype`: what a launch compiles (tests compile them for the GPU ahead of time, without one)."""
     bm = block_m(m, gemv)
@@ -104,7 +105,7 @@ def kernel_meta(m, n, k, dtype, block_n, block_k, split_k, last_reduces, gemv, w
     stage_bytes = (bm + block_n) * block_k * (4 if dtype == torch.float32 or interpreted else dtype.itemsize)
     return dict(HAS_BIAS=HAS_BIAS, GELU=GELU, RESIDUAL=RESIDUAL, LN=ln, IEEE=dtype == torch.float32 or interpreted,
                 EVEN=n % block_n == 0 and k % (split_k * block_k) == 0, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-                SPLIT_K=split_k, LAST_REDUCES=last_reduces, GEMV=bool(gemv),
+                SPLIT_K=split_k, LAST_REDUCES=last_reduces, GEMV=bool(gemv), PDL=bool(pdl),
                 num_stages=max(1, min(3, (160 << 10) // stage_bytes)), num_warps=warps)
 
 
@@ -116,14 +117,15 @@ def triton_cdiv(a, b):
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      residual: Optional[torch.Tensor], gelu: bool, block_n: int, block_k: int,
                      split_k: int, last_reduces: bool, gemv: bool, warps: int, ln_weight: Optional[torch.Tensor],
-                     ln_bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+                     ln_bias: Optional[torch.Tensor], eps: float, pdl: bool = False) -> torch.Tensor:
     return skinny_linear_triton(x.contiguous(), weight, bias, None if residual is None else residual.contiguous(),
-                                gelu, block_n, block_k, split_k, last_reduces, gemv, warps, ln_weight, ln_bias, eps)
+                                gelu, block_n, block_k, split_k, last_reduces, gemv, warps, ln_weight, ln_bias, eps,
+                                pdl)
 
 
 @skinny_linear_op.register_fake
 def _skinny_linear_fake(x, weight, bias, residual, gelu, block_n, block_k, split_k, last_reduces, gemv, warps,
-                        ln_weight, ln_bias, eps):
+                        ln_weight, ln_bias, eps, pdl=False):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -136,8 +138,9 @@ def layer_norm(x, weight, bias, eps):
 def linear(x, weight, bias=None, plan=None, gelu=False, residual=None, ln=None):
     """[residual +] [gelu_tanh](LN(x) W^T + b) with the Triton kernel (plan) or torch (plan None); ln: None or the
     LayerNorm's (weight, bias, eps)."""
-    if plan is not None:
-        return torch.ops.megatron.skinny_linear(x, weight, bias, residual, gelu, *plan, *(ln or (None, None, 0.0)))
+    if plan is not None:  # a plan: its 6 fields, and a 7th (pdl) if choose_plan chose the PDL launch
+        return torch.ops.megatron.skinny_linear(x, weight, bias, residual, gelu, *plan[:6], *(ln or (None, None, 0.0)),
+                                                len(plan) > 6 and plan[6])
     if ln is not None:
         x = layer_norm(x, *ln)
     y = F.linear(x, weight, bias)
@@ -186,9 +189,16 @@ def candidates(rows, n, k, sms):
 def plan_name(plan):
     if plan is None:
         return "torch"
-    block_n, block_k, split, last_reduces, gemv, warps = plan
+    block_n, block_k, split, last_reduces, gemv, warps = plan[:6]
     return (f"triton {'gemv' if gemv else 'dot'} {block_n}x{block_k} split {split}"
-            + (" in-kernel sum" if last_reduces else "") + ("" if warps == 4 else f" {warps} warps"))
+            + (" in-kernel sum" if last_reduces else "") + ("" if warps == 4 else f" {warps} warps")
+            + (" pdl" if len(plan) > 6 and plan[6] else ""))
+
+
+def pdl_available(device):
+    """Whether the kernel can be a programmatic dependent launch there: a Hopper or newer GPU, not interpreted."""
+    device = torch.device(device)
+    return device.type == "cuda" and not _INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def graph_time(fn, replays=3, repeats=1):
@@ -213,11 +223,14 @@ def graph_time(fn, replays=3, repeats=1):
     return best
 
 
-def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms=None, timer=None, norms=None):
+def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms=None, timer=None, norms=None,
+                pdl=None):
     """The fastest of torch and the candidate plans for `rows` rows over `weights` (a list of same-shape (N, K)
     tensors, e.g. every layer's), timed in a CUDA graph (timer(fn) -> seconds of fn(), for tests); a plan that
     fails or disagrees with torch is dropped; norms: each layer's LayerNorm (weight, bias, eps) before the GEMM
-    (torch: a LayerNorm then the GEMM). Returns (plan or None, {name: seconds per call})."""
+    (torch: a LayerNorm then the GEMM). pdl (default: pdl_available): the fastest candidate is also timed as a
+    programmatic dependent launch, the plan's 7th field (the chain of calls then overlaps each launch with the
+    previous kernel's tail, as the step's chain of GEMMs would). Returns (plan or None, {name: seconds per call})."""
     n, k = weights[0].shape
     device, dtype = weights[0].device, weights[0].dtype
     x = torch.randn(rows, k, device=device, dtype=dtype)
@@ -235,20 +248,25 @@ def choose_plan(rows, weights, biases, gelu=False, residual=False, label="", sms
     want = linear(x, weights[0], biases[0], None, gelu, r, norms[0]).float()
     tol = (1e-3 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
     times = {}
-    for plan in [None] + candidates(rows, n, k, sms):
+
+    def attempt(plan):
         name = plan_name(plan)
         try:
             if plan is not None:  # a plan must agree with torch before it is timed
                 error = float((linear(x, weights[0], biases[0], plan, gelu, r, norms[0]).float() - want).abs().max())
                 if not error <= tol:
                     raise RuntimeError(f"max error {error:.3g} against torch (tolerance {tol:.3g})")
-            times[name] = timer(run(plan)) / len(weights)
+            seconds = timer(run(plan)) / len(weights)
         except Exception as err:  # noqa: BLE001  a candidate that fails to compile, agree or capture is not chosen
             logger.warning(f"inference: GEMM {label} {name} failed ({type(err).__name__}: "
                            f"{str(err).splitlines()[0][:160] if str(err) else ''}); not a candidate")
-            continue
-        if plan is not None:
-            times[name] = (times[name], plan)
+            return
+        times[name] = seconds if plan is None else (seconds, plan)
+    for plan in [None] + candidates(rows, n, k, sms):
+        attempt(plan)
+    kernels = [value for key, value in times.items() if key != "torch"]
+    if kernels and (pdl_available(device) if pdl is None else pdl):
+        attempt(min(kernels)[1] + (True,))
     best_name = min(times, key=lambda key: times[key] if key == "torch" else times[key][0])
     plan = None if best_name == "torch" else times[best_name][1]
     seconds = {key: (value if key == "torch" else value[0]) for key, value in times.items()}

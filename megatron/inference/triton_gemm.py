@@ -16,6 +16,9 @@ the result rounded to x's dtype: the GEMM reads the LayerNorm's input instead of
 GEMV (at most 8 rows): the products on the CUDA cores, x (BLOCK_M, BLOCK_K) times W (BLOCK_N, BLOCK_K) broadcast
 and summed over K in fp32, so BLOCK_M is the rows' power of two (1..8) instead of a dot's 16, and a program's
 registers go to a wide W tile (BLOCK_N x BLOCK_K of 8-16 KB: 16-byte loads, several tiles in flight per SM).
+PDL (Hopper): the kernel is launched as a programmatic dependent launch (launch_pdl) and waits for the kernel
+before it (griddepcontrol.wait) before reading anything, then lets the next one launch: the launch latency between
+dependent GEMMs overlaps the previous kernel's tail.
 """
 import triton
 import triton.language as tl
@@ -39,7 +42,10 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, lock_ptr, g_
                        stride_xm, stride_wn, stride_rm, stride_ym, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                        RESIDUAL: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       LAST_REDUCES: tl.constexpr, GEMV: tl.constexpr, LN: tl.constexpr):
+                       LAST_REDUCES: tl.constexpr, GEMV: tl.constexpr, LN: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched as a programmatic dependent launch: the previous kernel has finished and its writes are
+        tl.extra.cuda.gdc_wait()  # visible past this wait (every global read comes after it); then the next
+        tl.extra.cuda.gdc_launch_dependents()  # kernel may launch, so at most one waits beside this one
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

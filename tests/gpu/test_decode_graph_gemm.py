@@ -49,15 +49,56 @@ def test_skinny_gemm_equals_torch_at_the_decode_shapes(dtype, rows):
 
 
 def test_choose_plan_times_torch_and_every_candidate():
-    from megatron.inference.skinny_gemm import candidates, choose_plan, plan_name
+    """torch, every candidate and, on Hopper, the fastest candidate as a programmatic dependent launch."""
+    from megatron.inference.skinny_gemm import candidates, choose_plan, pdl_available, plan_name
     ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     bs = [torch.randn(2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     plan, seconds = choose_plan(1, ws, bs, residual=True, label="test")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert len(seconds) == 1 + len(candidates(1, 2048, 2048, sms)) and "torch" in seconds, seconds
+    pdl = pdl_available("cuda")
+    assert len(seconds) == 1 + len(candidates(1, 2048, 2048, sms)) + pdl and "torch" in seconds, seconds
+    assert sum(name.endswith(" pdl") for name in seconds) == pdl, seconds
     assert all(0 < s < 1e-2 for s in seconds.values()), seconds
     best = min(seconds, key=seconds.get)
     assert best == plan_name(plan)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_pdl_launches_equal_plain_ones_in_a_dependent_chain(rows):
+    """A chain of GEMMs where each reads the last one's output (h -> 4h -> h, 12 times, with the residual of the
+    input), captured in a CUDA graph and replayed: launched as programmatic dependent launches (each waits for the
+    last before it reads) it gives the plain launches' outputs bit for bit; the split-K counters back at 0."""
+    from megatron.inference import skinny_gemm
+    from megatron.inference.skinny_gemm import candidates, linear, pdl_available
+    if not pdl_available("cuda"):
+        pytest.skip("programmatic dependent launches need a Hopper or newer GPU")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    layers = [((torch.randn(8192, 2048, device="cuda", generator=gen) / 2048 ** 0.5).bfloat16(),
+               (torch.randn(2048, 8192, device="cuda", generator=gen) / 8192 ** 0.5).bfloat16(),
+               torch.randn(8192, device="cuda", generator=gen).bfloat16() / 10) for _ in range(12)]
+    up, down = candidates(rows, 8192, 2048, sms)[0], candidates(rows, 2048, 8192, sms)[0]  # split-K, summed in-kernel
+    x0 = torch.randn(rows, 2048, device="cuda", generator=gen).bfloat16()
+
+    def chain(pdl):
+        x = x0
+        for w1, w2, b1 in layers:
+            h = linear(x, w1, b1, up + (pdl,), gelu=True)
+            x = linear(h, w2, None, down + (pdl,), residual=x)
+        return x
+    outs = {}
+    for pdl in (False, True):
+        chain(pdl)  # compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(pdl)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = out.clone()
+        assert not skinny_gemm._LOCKS or not skinny_gemm._LOCKS[x0.device].any()
+    assert outs[False].abs().max() > 0
+    assert torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.parametrize("batch", [1, 8])

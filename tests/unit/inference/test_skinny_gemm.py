@@ -63,6 +63,18 @@ assert skinny_gemm.candidates(2, 64, 512, 4) == [(64, 128, 2, True, False, 4), (
 assert plan == (64, 128, 2, False, False, 4) and not clock, (plan, clock)
 assert seconds == {"torch": 3e-6, "triton dot 32x256 split 1": 2e-6, "triton dot 64x128 split 2": 1e-6,
                    "triton gemv 8x512 split 1": 4e-6, "triton gemv 16x512 split 1 8 warps": 1.5e-6}, seconds
+# pdl: the fastest plan timed once more as a programmatic dependent launch, chosen if faster (the interpreter has no
+# PDL: the stand-in runs it as a plain launch and records that it was asked for one)
+asked = []
+def plain(*args):
+    asked.append(args[14])
+    return real(*args[:14])
+skinny_gemm.skinny_linear_triton = plain
+clock = [6e-6, 4e-6, 2e-6, 8e-6, 3e-6, 5e-6, 1e-6]  # torch, the five plans, then the fastest (2e-6) as a PDL
+plan, seconds = skinny_gemm.choose_plan(2, ws, bs, gelu=True, sms=4, timer=lambda fn: fn() or clock.pop(0), pdl=True)
+assert plan == (32, 256, 1, False, False, 4, True) and not clock, (plan, clock)
+assert seconds["triton dot 32x256 split 1 pdl"] == 1e-6 / len(ws) and len(seconds) == 7, seconds
+assert asked.count(True) == 1 + len(ws), asked  # its check against torch, then the timed chain
 skinny_gemm.skinny_linear_triton = real
 print("gemm ok")
 """

@@ -52,6 +52,21 @@ def test_gemm_plans_compile_for_sm90(meta):
     assert compiled.asm["cubin"]
 
 
+@pytest.mark.parametrize("label, n, k, ln, bias, gelu, residual", SHAPES[:4], ids=[s[0] for s in SHAPES[:4]])
+def test_gemm_plans_compile_as_programmatic_dependent_launches(label, n, k, ln, bias, gelu, residual):
+    """The PDL variant choose_plan times on Hopper (pdl=True): griddepcontrol.wait before the kernel's first global
+    read, then griddepcontrol.launch_dependents."""
+    from megatron.inference.triton_gemm import skinny_gemm_kernel
+    pointers = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "g_ptr", "beta_ptr"), "*bf16")
+    for rows in (1, 64):
+        plan = candidates(rows, n, k, SMS)[-1]  # a GEMV plan at 1 row, a dot at 64
+        meta = kernel_meta(rows, n, k, torch.bfloat16, *plan, ln=ln and rows <= GEMV_ROWS, HAS_BIAS=bias, GELU=gelu,
+                           RESIDUAL=residual, interpreted=False, pdl=True)
+        ptx = compile_sm90(skinny_gemm_kernel, dict(pointers, part_ptr="*fp32", lock_ptr="*i32"), meta).asm["ptx"]
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        assert 0 <= wait < launch < ptx.find("ld.global"), (label, rows, plan, wait, launch)
+
+
 # (keys per iteration, warps, prefetch, most splits, merged in the kernel): one split (batch 64), several merged
 # by the last split or by the combine kernel, the small and prefetching launches the decode sweep times
 ATTENTION = [(64, 4, False, 1, False), (64, 4, False, 5, True), (64, 4, False, 5, False), (32, 4, True, 1, False),
