@@ -2,12 +2,16 @@
 # Issue 25's must-show in one H200 call: the engine's decode (the step_gemm path) beside HF generate (static cache
 # + torch.compile at batch 1 and 8, with the rows-equal-HF check), then the server through HTTP at 1/8/32/64
 # clients against the engine alone (the default front-end, --frontend process), then the PDL probe if time is left.
+# step_gemm's plan choice logs each GEMM's time with and without PDL ("inference: GEMM ... pdl" in generation.log).
 # Run: BUDGET=570 bash benchmarks/results/raw/2026-12-07/not-run/i25_h200.sh
 set -uo pipefail
 T0=$(date +%s)
 source benchmarks/device_setup.sh
-echo "== engine vs HF generate $(date +%T)"
-timeout 300 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 8 32 64 --paths step_gemm \
+echo "== decode GEMM GPU tests (the PDL variant's first run) $(date +%T)"
+timeout 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_decode_graph_gemm.py > $OUT/gpu_gemm.log 2>&1
+echo "exit $?"; grep -E "passed|failed|^FAILED" $OUT/gpu_gemm.log | tail -6
+echo "== engine vs HF generate $(date +%T) (left $(left)s)"
+timeout 270 python3 benchmarks/generation_speed.py --device cuda --batch-sizes 1 8 32 64 --paths step_gemm \
   --hf static --hf-batch-sizes 1 8 --repeats 2 --prefill-len 0 --breakdown --output $OUT/generation.json \
   > $OUT/generation.log 2>&1
 echo "exit $?"; grep -v "^\[W" $OUT/generation.log | grep -v "inference: GEMM" | tail -16 | cut -c1-300
