@@ -136,13 +136,16 @@ def choose_attention(batch, heads, head_dim, max_len, dtype, device, slopes, sca
     slots = torch.arange(batch, device=device)
     timer = timer or (lambda fn: graph_time(fn, repeats=10))  # a few layers' launches: replayed back to back
     last = torch.full((batch,), keys - 1, device=device, dtype=torch.long)
-    want = decode_attention_reference(qkv, k[0].clone(), v[0].clone(), slots, last, slopes, scale).float()
+    # every launch writes the new key/value at its position: each check starts from these untouched copies (the
+    # timed calls write at a quarter of the keys, which a later launch's check would otherwise attend over)
+    k0, v0 = k[0].clone(), v[0].clone()
+    want = decode_attention_reference(qkv, k0.clone(), v0.clone(), slots, last, slopes, scale).float()
     tol = (1e-4 if dtype == torch.float32 else 3e-2) * (1.0 + float(want.abs().max()))
     times = {}
     for launch in launches:
         name = ", ".join(f"{key} {value}" for key, value in launch.items()) or "defaults"
         try:  # a launch must agree with the torch attention before it is timed
-            got = decode_attention_triton(qkv, k[0], v[0], slots, last, slopes, scale, **launch).float()
+            got = decode_attention_triton(qkv, k0.clone(), v0.clone(), slots, last, slopes, scale, **launch).float()
             error = float((got - want).abs().max())
             if not error <= tol:
                 raise RuntimeError(f"max error {error:.3g} against the torch attention (tolerance {tol:.3g})")

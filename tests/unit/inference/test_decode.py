@@ -132,6 +132,11 @@ launch, times = choose_attention(2, 3, 16, 100, torch.float32, "cpu", slopes, 0.
 assert launch == launches[2] == dict(block_n=16, warps=4), launch
 assert times == {"defaults": 10, "block_n 32": 8, "block_n 16, warps 4": 4, "block_n 16, warps 1": 4.5,
                  "block_n 16, warps 1, target_programs 2048, min_keys 64": 4.5}, times
+# each launch is checked on the untouched scratch: the launches timed before it wrote a new key at a quarter of
+# the keys, which a later check would otherwise attend over (small slopes: a far key counts; every launch dropped)
+_, times = choose_attention(2, 3, 16, 100, torch.float32, "cpu", torch.full((3,), 0.01), 0.25, layers=1,
+                            timer=lambda fn: (fn(), 1.0)[1], launches=launches)
+assert len(times) == len(launches), times
 print("kernel ok")
 """
 
