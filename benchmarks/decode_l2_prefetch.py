@@ -145,24 +145,12 @@ def step_fn(mats, plans, xs, prefetch=None, distance=1, wait=False, inline=False
 
 
 def graph_ms(fn, replays, repeats):
-    """(best ms per replay of fn captured in a CUDA graph, the graph, fn's outputs as the graph leaves them)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / repeats)
-    return best, graph, outs
+    """(best ms per replay of fn captured in a CUDA graph, skinny_gemm.graph_time's; fn's outputs as the replays
+    leave them)."""
+    from megatron.inference.skinny_gemm import graph_time
+    held = []  # the eager call's outputs, then the capture's (the graph's own)
+    seconds = graph_time(lambda: held.append(fn()), replays, repeats)
+    return seconds * 1e3, held[-1]
 
 
 def main(argv=None):
@@ -197,8 +185,7 @@ def main(argv=None):
     flat = [w for w, _ in mats]
     for kind in ("load",):
         pf = make_prefetch(kind, props.multi_processor_count * 4)
-        ms, graph, _ = graph_ms(lambda: [pf(w) for w in flat], args.replays, 2)
-        del graph
+        ms, _ = graph_ms(lambda: [pf(w) for w in flat], args.replays, 2)
         report(f"read every weight ({kind}, {props.multi_processor_count * 4} programs)", ms, 1, results)
     for rows in args.rows:
         print(f"rows {rows}:", flush=True)
@@ -215,9 +202,9 @@ def main(argv=None):
             print("  plans: " + ", ".join(f"{n}x{k} {p}" for (n, k), p in chosen.items()), flush=True)
         reference = {}
         for name, plans in plan_sets.items():
-            ms, graph, outs = graph_ms(step_fn(mats, plans, xs), args.replays, args.repeats)
+            ms, outs = graph_ms(step_fn(mats, plans, xs), args.replays, args.repeats)
             reference[name] = [o.clone() for o in outs]
-            del graph, outs
+            del outs
             report(f"{name} chain", ms, rows, bucket)
             for kind in ("inline", "bulk", "load"):
                 for programs in args.prefetch_programs:
@@ -227,9 +214,9 @@ def main(argv=None):
                             try:
                                 fn = step_fn(mats, plans, xs, make_prefetch("bulk" if kind == "inline" else kind,
                                                                             programs), distance, wait, kind == "inline")
-                                ms, graph, outs = graph_ms(fn, args.replays, args.repeats)
+                                ms, outs = graph_ms(fn, args.replays, args.repeats)
                                 same = all(torch.equal(o, r) for o, r in zip(outs, reference[name]))
-                                del graph, outs
+                                del outs
                             except Exception as err:  # noqa: BLE001  a probe: report and go on
                                 print(f"  {label}: failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
                                 continue

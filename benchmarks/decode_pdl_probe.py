@@ -10,7 +10,8 @@ next weights into L2 made it slower (benchmarks/decode_l2_prefetch.py). With PDL
 while kernel j runs, can read what does not depend on kernel j (its weights) and waits (griddepcontrol.wait) only
 before it reads kernel j's output. This probe times one Triton GEMV, y = x W^T + b with each program owning
 BLOCK_N rows of W (a BLOCK_N x BLOCK_K tile per iteration, summed over its columns at once; the first version's
-fp32 BLOCK_N x 512 accumulator ran 4.4x slower than cuBLAS on an H100), as a true chain (each GEMV's input is the first K outputs of the one before), in one CUDA graph:
+fp32 BLOCK_N x 512 accumulator ran 4.4x slower than cuBLAS on an H100), as a true chain (each GEMV's input is the
+first K outputs of the one before), in one CUDA graph:
 
 - mode plain: no PDL;
 - mode pdl: launched with PDL, waits at its start (only the launch latency is hidden);
@@ -130,9 +131,8 @@ def main(argv=None):
 
     def torch_gemv(x, w, b):
         return F.linear(x[:, :w.shape[1]], w, b)
-    ms, graph, want = graph_ms(chain(mats, x0, torch_gemv), args.replays, args.repeats)
+    ms, want = graph_ms(chain(mats, x0, torch_gemv), args.replays, args.repeats)
     want = want.float().clone()
-    del graph
     report("torch", ms)
     plain = None
     for name, mode in MODES.items():
@@ -146,12 +146,11 @@ def main(argv=None):
                                                num_warps=args.warps, **extra)
             return y
         try:
-            ms, graph, out = graph_ms(chain(mats, x0, triton_gemv), args.replays, args.repeats)
+            ms, out = graph_ms(chain(mats, x0, triton_gemv), args.replays, args.repeats)
         except Exception as err:  # noqa: BLE001  a probe: say why and go on
             print(f"  {name:<12} failed ({type(err).__name__}: {str(err).splitlines()[0][:240]})", flush=True)
             continue
         out = out.float().clone()
-        del graph
         if plain is None:
             error = float((out - want).abs().max() / want.abs().max())
             report(name, ms, f"(last output vs torch's: max error {error:.2e} of its largest value)")

@@ -87,8 +87,9 @@ def skinny_linear_triton(x, weight, bias=None, residual=None, gelu=False, block_
                        ln=ln_weight is not None, pdl=pdl, **flags)
     grid = (triton_cdiv(n, block_n), split_k, triton_cdiv(m, meta["BLOCK_M"]))
     locks = arrival_counters(x.device, grid[0] * grid[2]) if last_reduces else y
+    launch = {"launch_pdl": True} if pdl else {}  # the keyword only where it is asked for (the interpreter has none)
     skinny_gemm_kernel[grid](x, weight, b, r, y, part, locks, g, beta, float(eps), m, n, k, x.stride(0),
-                             weight.stride(0), r.stride(0), y.stride(0), **meta, **({"launch_pdl": True} if pdl else {}))
+                             weight.stride(0), r.stride(0), y.stride(0), **meta, **launch)
     if split_k > 1 and not last_reduces:
         splitk_epilogue_kernel[(triton_cdiv(n, 64), triton_cdiv(m, 16))](part, b, r, y, m, n, r.stride(0), y.stride(0),
                                                                          SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
