@@ -50,7 +50,7 @@ TINY_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
 
 def parse_args(argv=None):
     from megatron.inference.loading import add_decode_flags
-    from megatron.inference.server import FRONTENDS
+    from megatron.inference.server import FRONTENDS, ServerSettings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
@@ -76,6 +76,12 @@ def parse_args(argv=None):
     parser.add_argument("--frontend", choices=FRONTENDS, default=FRONTENDS[0],
                         help="the server's HTTP front-end in a process of its own (default, as the tool's) or on a "
                              "thread beside the engine")
+    parser.add_argument("--batch-wait-ms", type=float, default=ServerSettings.batch_wait_ms,
+                        help="the server's --batch-wait-ms (default: %(default)s, the tool's): an idle engine's "
+                             "longest wait for the rest of a burst of requests")
+    parser.add_argument("--batch-gap-ms", type=float, default=ServerSettings.batch_gap_ms,
+                        help="the wait ends this long after the last arrival (default: %(default)s; a setting of "
+                             "the server, not a flag of the tool)")
     parser.add_argument("--tp", type=int, default=1,
                         help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
                              "the CPU); the engine figures are then the TP engine's")
@@ -208,7 +214,8 @@ def child(args):
     thread.join()
     settings = ServerSettings(model_name="bench", max_new_tokens=args.new_tokens, steps_per_sync=args.steps_per_sync,
                               max_pending=max(1024, 2 * max(args.clients)), log_level="warning",
-                              frontend=args.frontend)
+                              frontend=args.frontend, batch_wait_ms=args.batch_wait_ms,
+                              batch_gap_ms=args.batch_gap_ms)
     if tp == 1:
         print("ENGINE " + json.dumps(figures), flush=True)
         return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
@@ -265,6 +272,8 @@ def per_round(rounds, server=None):
     row["decode_device_ms"] = (rounds["device_s"] - rounds["prefill_device_s"]) * 1e3 / max(decodes, 1)
     row["host_ms"] = server["host_s"] * 1e3 / n if server else None
     row["loop_us_per_id"] = server["deliver_s"] * 1e6 / max(server["delivered_ids"], 1) if server else None
+    row["batch_waits"] = server["batch_waits"] if server else None
+    row["batch_wait_ms"] = server["batch_wait_s"] * 1e3 / max(server["batch_waits"], 1) if server else None
     return row
 
 
@@ -453,10 +462,10 @@ def print_rounds(rows, device_timing):
           "loop = the event loop's us per generated id (ids -> text events); pf launch = the host's time admitting "
           "and prefilling, per prefill round; slow = decode steps whose launch took the host over "
           f"{slow_ms:g} ms (count, their ms in all); pf dev / dec dev = the device's time per round with "
-          "a prefill / without")
+          "a prefill / without; waits = the idle server's waits for the rest of a burst (--batch-wait-ms), ms each")
     print(f"{'clients':>7} {'side':>6} {'rounds':>6} {'prefill':>7} {'rows/pf':>7} {'steps':>5} {'launch':>7} "
           f"{'wait':>7} {'read':>6} {'host':>6} {'device':>7} {'gap':>6} {'loop':>6} {'pf launch':>9} "
-          f"{'slow':>11} {'pf dev':>7} {'dec dev':>7}")
+          f"{'slow':>11} {'pf dev':>7} {'dec dev':>7} {'waits':>11}")
 
     def ms(value, width, digits=2):
         return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
@@ -471,7 +480,9 @@ def print_rounds(rows, device_timing):
                   f"{ms(r['device_gap_ms'] if device_timing else None, 6)} {ms(r['loop_us_per_id'], 6, 1)} "
                   f"{ms(r['prefill_launch_ms'], 9)} {r['slow_step_launches']:>4d} {r['slow_step_launch_ms']:>6.1f} "
                   f"{ms(r['prefill_device_ms'] if device_timing else None, 7)} "
-                  f"{ms(r['decode_device_ms'] if device_timing else None, 7)}")
+                  f"{ms(r['decode_device_ms'] if device_timing else None, 7)} "
+                  + (f"{r['batch_waits']:>4d} {r['batch_wait_ms']:>6.2f}" if r["batch_waits"] is not None
+                     else f"{'-':>11}"))
 
 
 def wait_healthy(port, deadline):
@@ -500,7 +511,8 @@ def describe(args, engine):
     print(f"model: {model}, {args.dtype}, {device_name(args)}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync, "
           f"compile mode {args.compile_mode}, graph step {'on' if args.graph_step else 'off'}, {args.gemm} GEMMs, "
-          f"GIL switch interval {args.switch_interval or sys.getswitchinterval()} s; {engine['graphs']} decode "
+          f"GIL switch interval {args.switch_interval or sys.getswitchinterval()} s, batch wait "
+          f"{args.batch_wait_ms:g} ms (gap {args.batch_gap_ms:g}); {engine['graphs']} decode "
           f"and {engine['prefill_graphs']} prefill graphs captured at start-up in {engine['capture_s']:.1f} s",
           flush=True)
 

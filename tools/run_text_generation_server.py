@@ -61,6 +61,11 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-sync", type=int, default=8,
                         help="decode steps between the engine's host synchronisations (default: %(default)s; "
                              "streamed tokens arrive in bursts of this many; larger is faster)")
+    parser.add_argument("--batch-wait-ms", type=float, default=10.0,
+                        help="an idle engine, given a request, waits up to this long for more to prefill with it "
+                             "(default: %(default)s); it stops 2 ms after the last arrival or once the batch is "
+                             "full. A wave of clients then starts, and finishes, in the same rounds rather than "
+                             "over several, each a fraction full; 0: start at once")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="larger request bodies get 413 (default: %(default)s)")
     parser.add_argument("--max-pending", type=int, default=1024,
@@ -92,6 +97,8 @@ def check_args(args):
         raise ValueError(f"--max-seq-len {args.max_seq_len} must be at least 2")
     if args.max_new_tokens_limit is not None and args.max_new_tokens_limit < 1:
         raise ValueError(f"--max-new-tokens-limit {args.max_new_tokens_limit} must be at least 1")
+    if args.batch_wait_ms < 0:
+        raise ValueError(f"--batch-wait-ms {args.batch_wait_ms:g} must be >= 0")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -134,7 +141,8 @@ def build(args):
                  time.perf_counter() - start)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.load))
     settings = ServerSettings(model_name=name, max_new_tokens=limit, api_key=args.api_key,
-                              steps_per_sync=args.steps_per_sync, max_body_bytes=args.max_body_bytes,
+                              steps_per_sync=args.steps_per_sync, batch_wait_ms=args.batch_wait_ms,
+                              max_body_bytes=args.max_body_bytes,
                               max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout, host=args.host,
                               port=args.port, log_level=args.log_level, frontend=args.frontend)
     log.info("loaded %s: %s, %s, TP %d, context %d tokens, %d slots", args.load, device, convert.DTYPE_NAMES[dtype],

@@ -61,8 +61,8 @@ class EngineService(EngineWorker):
     """EngineWorker driven over a pipe: commands come from the front-end process, each round's new ids, the scoring
     results and the worker's state go back to it."""
 
-    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None):
-        super().__init__(engine, steps_per_sync, scorer=scorer, channel=channel)
+    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None, **batching):
+        super().__init__(engine, steps_per_sync, scorer=scorer, channel=channel, **batching)
         self._conn = None
         self._send_lock = threading.Lock()  # the engine thread and the command reader both send
         self.frontend_ready = threading.Event()  # the front-end handles SIGTERM from now on

@@ -8,7 +8,9 @@ decode steps, with no round of its own), runs step(steps_per_sync, overlap=True)
 call_soon_threadsafe, one call per round. With overlap the engine launches round k+1 before it reads round k, so
 the device is never idle while this thread publishes round k and the loop turns its ids into text (both hold the
 GIL). The rows that round k+1 admitted get their first token as soon as its prefill is done (engine.first_tokens),
-not after its decode steps. A Job (on the loop) turns those ids into text deltas, applies stop strings and queues
+not after its decode steps. An idle engine given a request waits for the rest of its burst (batch_wait, the
+server's --batch-wait-ms; it ends batch_gap after the last arrival), so a wave of clients is prefilled, and
+finishes, in the same rounds. A Job (on the loop) turns those ids into text deltas, applies stop strings and queues
 events for its HTTP handler.
 
 Instrumentation (GET /health): `stats` has the engine's per-round counters under "rounds" (rounds, prefill rounds,
@@ -111,9 +113,10 @@ class EngineWorker:
     scorer: runs the ("score", ...) commands (the server's logprobs) on the engine thread, on every TP rank.
     channel: a PlanChannel under tensor parallelism (this is rank 0), else None."""
 
-    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None):
+    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None, batch_wait=0.0, batch_gap=0.002):
         self.engine = engine
         self.steps_per_sync = steps_per_sync
+        self.batch_wait, self.batch_gap = batch_wait, min(batch_gap, batch_wait)
         self.scorer = scorer
         self.channel = channel
         self._commands = queue.SimpleQueue()
@@ -126,7 +129,8 @@ class EngineWorker:
         self._fault_path = os.environ.get(FAULT_HOOK)
         self._desynced = False  # TP: a step failed on this rank but maybe not on the others
         self.stats = {"running": 0, "waiting": 0, "peak_running": 0, "steps": 0, "finished": 0, "cancelled": 0,
-                      "errors": 0, "host_s": 0.0, "deliver_s": 0.0, "delivered_ids": 0, "rounds": engine.stats}
+                      "errors": 0, "batch_waits": 0, "batch_wait_s": 0.0, "host_s": 0.0, "deliver_s": 0.0,
+                      "delivered_ids": 0, "rounds": engine.stats}
 
     def start(self, loop):
         self._loop = loop
@@ -180,6 +184,8 @@ class EngineWorker:
                     except queue.Empty:
                         self._probe()
                         continue
+                    if self.batch_wait > 0 and commands[0][0] == "add":
+                        commands = self._gather(commands)
                 begin, self._step_s = time.perf_counter(), 0.0
                 commands += self._queued_commands()
                 if not self._round(commands, active):
@@ -325,6 +331,27 @@ class EngineWorker:
             elif new:
                 updates.append((row, new, None))
         self._post(updates)
+
+    def _gather(self, commands):
+        """An idle engine's wait for the rest of a burst (the clients of a wave arrive over a few ms): commands
+        until batch_gap passes with none arriving, the rows fill the batch, a stop comes, or batch_wait has passed
+        since the first. Prefilled together, a burst's rows start and finish in the same rounds; admitted over
+        several rounds, the last of them decode on after the others have finished, in rounds a fraction full."""
+        deadline = time.perf_counter() + self.batch_wait
+        rows = sum(len(payload) for kind, payload in commands if kind == "add")
+        while rows < self.engine.max_batch and commands[-1][0] != "stop":
+            timeout = min(self.batch_gap, deadline - time.perf_counter())
+            if timeout <= 0:
+                break
+            try:
+                command = self._commands.get(timeout=timeout)
+            except queue.Empty:
+                break
+            commands.append(command)
+            rows += len(command[1]) if command[0] == "add" else 0
+        self.stats["batch_waits"] += 1
+        self.stats["batch_wait_s"] += self.batch_wait - max(0.0, deadline - time.perf_counter())
+        return commands
 
     def _queued_commands(self):
         """Takes every command queued now, in order."""

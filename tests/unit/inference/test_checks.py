@@ -112,9 +112,14 @@ def test_decode_flags_reach_the_engine_and_bad_combinations_stop_with_one_line(h
     spec = importlib.util.spec_from_file_location("server_tool", ROOT / "tools" / "run_text_generation_server.py")
     server_tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(server_tool)
-    args = server_tool.parse_args(["--load", hf_folders[0], "--compile-mode", "default", "--gemm", "auto"])
-    engine = server_tool.build(args)[0]
+    args = server_tool.parse_args(["--load", hf_folders[0], "--compile-mode", "default", "--gemm", "auto",
+                                   "--batch-wait-ms", "3"])
+    engine, _, settings, _ = server_tool.build(args)
     assert (engine.decoder.compile_mode, engine.decoder.gemm, engine.graph_step) == ("default", "torch", False)
+    assert settings.batch_wait_ms == 3
+    with pytest.raises(ValueError) as err:
+        server_tool.check_args(server_tool.parse_args(["--load", hf_folders[0], "--batch-wait-ms", "-1"]))
+    assert str(err.value) == "--batch-wait-ms -1 must be >= 0"
 
     prompt = ["--load", hf_folders[0], "--prompt", "The cat", "--max-new-tokens", "4", "--greedy"]
     assert _generate(prompt + ["--graph-step"], capsys) == (2, [

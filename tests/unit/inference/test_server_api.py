@@ -367,6 +367,41 @@ def test_a_burst_of_requests_is_admitted_in_one_round_with_their_solo_outputs():
     assert (rounds["prefill_rounds"], rounds["admitted"], rounds["rounds"], rounds["decode_steps"]) == (1, 5, 3, 9)
 
 
+def test_an_idle_worker_waits_for_the_rest_of_a_burst():
+    """batch_wait: four requests arriving 50 ms apart at an idle engine are prefilled in one round (each with its
+    solo output), the wait ending when they fill the batch, not at batch_wait; a lone request's wait ends batch_gap
+    after it; batch_wait=0 (EngineWorker's default) never waits."""
+    engine = tiny_engine(max_batch_size=4)
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+    prompts = [[5, 9, 3 + i, 7][:2 + i % 3] for i in range(4)]
+    solo = [engine.generate([p], params)[0] for p in prompts]
+
+    async def scenario(batch_wait, batch_gap, wave):
+        engine.stats.update(rounds=0, prefill_rounds=0, admitted=0)
+        worker = EngineWorker(engine, steps_per_sync=2, batch_wait=batch_wait, batch_gap=batch_gap)
+        worker.start(asyncio.get_running_loop())
+        jobs = []
+        for p in wave:
+            jobs.append(rows_of(Job(worker, lambda job: None), worker, [p], params))
+            await asyncio.sleep(0.05)
+        for job in jobs:
+            await job.wait()
+        worker.stop()
+        return [job.rows[0].output for job in jobs], dict(worker.stats), dict(engine.stats)
+
+    outputs, stats, rounds = asyncio.run(scenario(30.0, 5.0, prompts))
+    assert outputs == solo
+    assert (rounds["prefill_rounds"], rounds["admitted"], stats["batch_waits"]) == (1, 4, 1)
+    assert 0.1 < stats["batch_wait_s"] < 5.0  # three 50 ms gaps; ended by the full batch, not the 5 s gap
+
+    outputs, stats, rounds = asyncio.run(scenario(30.0, 0.3, prompts[:1]))
+    assert outputs == solo[:1] and stats["batch_waits"] == 1
+    assert 0.3 <= stats["batch_wait_s"] < 5.0  # the gap passed with nothing arriving
+
+    _, stats, _ = asyncio.run(scenario(0.0, 0.3, prompts[:1]))
+    assert (stats["batch_waits"], stats["batch_wait_s"]) == (0, 0.0)
+
+
 def rows_of(job, worker, prompts, params, seeds=None):
     for i, p in enumerate(prompts):
         job.add(Row(job, i, p, params, 0 if seeds is None else seeds[i],
