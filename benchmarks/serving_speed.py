@@ -322,8 +322,11 @@ def stream_one(port, prompt, new_tokens, timeout):
 def run_round(args, port, clients, vocab_size, requests=None):
     results, errors = [], []
 
+    start = threading.Barrier(clients)
+
     def client(index):
         try:
+            start.wait()  # the clients of a round send their first requests together, not as their threads start
             for _ in range(requests or args.requests_per_client):
                 results.append(stream_one(port, client_prompt(args, vocab_size, index), args.new_tokens,
                                           args.timeout))

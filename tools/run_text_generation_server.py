@@ -36,7 +36,7 @@ API_KEY_ENV = "MEGATRON_SERVER_API_KEY"
 
 def parse_args(argv=None):
     from megatron.inference.loading import add_decode_flags, add_model_flags
-    from megatron.inference.server import FRONTENDS
+    from megatron.inference.server import FRONTENDS, ServerSettings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_flags(parser)
@@ -61,11 +61,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-sync", type=int, default=8,
                         help="decode steps between the engine's host synchronisations (default: %(default)s; "
                              "streamed tokens arrive in bursts of this many; larger is faster)")
-    parser.add_argument("--batch-wait-ms", type=float, default=10.0,
+    parser.add_argument("--batch-wait-ms", type=float, default=ServerSettings.batch_wait_ms,
                         help="an idle engine, given a request, waits up to this long for more to prefill with it "
-                             "(default: %(default)s); it stops 2 ms after the last arrival or once the batch is "
-                             "full. A wave of clients then starts, and finishes, in the same rounds rather than "
-                             "over several, each a fraction full; 0: start at once")
+                             f"(default: %(default)s); it stops {ServerSettings.batch_gap_ms:g} ms after the last "
+                             "arrival or once the batch is full. A burst of clients (arriving ~0.5 ms apart through "
+                             "the HTTP front-end) then starts, and finishes, in the same rounds rather than over "
+                             "several, each a fraction full; 0: start at once")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="larger request bodies get 413 (default: %(default)s)")
     parser.add_argument("--max-pending", type=int, default=1024,

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FRONTENDS = ("process", "thread")  # --frontend; the first is the default
+INLINE_IDS = 4096  # prompts given as this many token ids or fewer are checked on the loop (no pool round trip)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class ServerSettings:
     max_new_tokens: int  # the largest max_tokens a request may ask for
     api_key: str = None
     steps_per_sync: int = 8  # decode steps per engine synchronisation (tokens reach clients in bursts of this)
-    batch_wait_ms: float = 10.0  # an idle engine's longest wait for the rest of a burst of requests (EngineWorker)
-    batch_gap_ms: float = 2.0  # ... which ends this long after the last arrival
+    batch_wait_ms: float = 50.0  # an idle engine's longest wait for the rest of a burst of requests (EngineWorker)
+    batch_gap_ms: float = 3.0  # ... which ends this long after the last arrival
     max_body_bytes: int = 1 << 20
     max_pending: int = 1024  # rows queued or running; more are refused with 503
     tokenizer_threads: int = 4  # the pool that tokenizes prompts off the event loop
@@ -294,7 +295,10 @@ def build_app(worker, tokenizer, settings, info):
         authorize(request)
         req = api.parse_completion_request(await read_json(request), limits)
         check_model(req.model)
-        ids = await off_loop(api.tokenize_prompts, req.prompts, tokenizer, limits, req.max_tokens)
+        if all(not isinstance(p, str) for p in req.prompts) and sum(map(len, req.prompts)) <= INLINE_IDS:
+            ids = api.tokenize_prompts(req.prompts, tokenizer, limits, req.max_tokens)  # ids: only checked
+        else:
+            ids = await off_loop(api.tokenize_prompts, req.prompts, tokenizer, limits, req.max_tokens)
         echo = await off_loop(lambda: [p if isinstance(p, str) else tokenizer.detokenize(p) for p in req.prompts]) \
             if req.echo else None
         request_id, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 25's must-show in one H200 call: the engine's decode (the step_gemm path) beside HF generate (static cache
 # + torch.compile at batch 1 and 8, with the rows-equal-HF check), then the server through HTTP at 1/8/32/64
-# clients against the engine alone (the default front-end, --frontend process, and --batch-wait-ms 10), the same at
-# 32/64 with a 5 ms gap and with no wait (--batch-wait-ms 0), then the PDL probe if time is left.
+# clients against the engine alone (the default front-end, --frontend process, and --batch-wait-ms 50), the same at
+# 32/64 with no wait (--batch-wait-ms 0), then the PDL probe if time is left.
 # step_gemm's plan choice logs each GEMM's time with and without PDL ("inference: GEMM ... pdl" in generation.log).
 # Run: BUDGET=570 bash benchmarks/results/raw/2026-12-07/not-run/i25_h200.sh
 set -uo pipefail
@@ -20,7 +20,7 @@ echo "== serving 1 8 32 64 clients $(date +%T) (left $(left)s)"
 timeout $(( $(left) > 215 ? 200 : $(left) - 15 )) python3 benchmarks/serving_speed.py --device cuda \
   --clients 1 8 32 64 --repeats 2 --output $OUT/serving.json > $OUT/serving.log 2>&1
 echo "exit $?"; grep -v "^\[W" $OUT/serving.log | grep -v "^per engine round" | tail -14 | cut -c1-300
-for variant in "gap5:--batch-wait-ms 20 --batch-gap-ms 5" "wait0:--batch-wait-ms 0"; do
+for variant in "wait0:--batch-wait-ms 0"; do
   name=${variant%%:*}; flags=${variant#*:}
   echo "== serving 32 64 clients with $flags $(date +%T) (left $(left)s)"
   [ $(left) -lt 90 ] && break
