@@ -18,7 +18,8 @@ times the engine alone at each client count on the clients' own workload (engine
 --steps-per-sync steps overlapped as the server runs them; warm, best of --repeats: what the server could reach with
 HTTP, the event loop and its thread costing nothing), then serves the same engine with megatron.inference.server (the
 code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1. Each client is a thread that sends
---requests-per-client streamed completions one after another: a fixed --prompt-len token prompt (token ids,
+--requests-per-client streamed completions one after another on one kept-alive connection (the clients of a
+round start together): a fixed --prompt-len token prompt (token ids,
 different per client), --new-tokens tokens, greedy, eod ignored so every completion has exactly --new-tokens tokens.
 One warm-up request comes first; then, per concurrency, one warm run and --repeats timed runs, as the engine gets:
 aggregate tokens/s (all completion tokens / wall time of the run; the best run), the engine's tokens/s on the same
@@ -285,11 +286,11 @@ def client_prompt(args, vocab_size, client):
 
 # ---- the clients -------------------------------------------------------------------------------------------------
 
-def stream_one(port, prompt, new_tokens, timeout):
-    """One streamed completion: {start, first, end, tokens, text} (times from time.perf_counter)."""
+def stream_one(connection, prompt, new_tokens):
+    """One streamed completion on connection (an HTTPConnection, kept alive between a client's requests as OpenAI's
+    clients keep theirs): {start, first, end, tokens, text} (times from time.perf_counter)."""
     body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}})
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     start = time.perf_counter()
     connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()
@@ -315,7 +316,7 @@ def stream_one(port, prompt, new_tokens, timeout):
                 first = time.perf_counter()
             text += choice["text"]
     end = time.perf_counter()
-    connection.close()
+    response.read()  # the chunked body's end: the connection is ready for the next request
     return {"start": start, "first": first if first is not None else end, "end": end, "tokens": tokens, "text": text}
 
 
@@ -325,13 +326,17 @@ def run_round(args, port, clients, vocab_size, requests=None):
     start = threading.Barrier(clients)
 
     def client(index):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=args.timeout)
         try:
+            connection.connect()
             start.wait()  # the clients of a round send their first requests together, not as their threads start
             for _ in range(requests or args.requests_per_client):
-                results.append(stream_one(port, client_prompt(args, vocab_size, index), args.new_tokens,
-                                          args.timeout))
+                results.append(stream_one(connection, client_prompt(args, vocab_size, index), args.new_tokens))
         except Exception as err:  # reported below, after every thread ends
             errors.append(err)
+            start.abort()
+        finally:
+            connection.close()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for thread in threads:
