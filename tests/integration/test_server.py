@@ -260,6 +260,9 @@ BAD = [  # (method, path, body, status, param)
     ("POST", "/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": 42}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": ["a", None]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": [5, 10 ** 7]}, 400, "prompt"),  # token ids: checked on the loop
+    ("POST", "/v1/completions", {"prompt": [5] * (CONTEXT + 1), "max_tokens": 4}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": [5] * 5000, "max_tokens": 4}, 400, "prompt"),  # past INLINE_IDS: the pool
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": LIMIT + 1}, 400, "max_tokens"),
