@@ -47,6 +47,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCUMENT_MODEL = dict(layers=24, hidden=2048, heads=16, vocab=250880)
 TINY_MODEL = dict(layers=4, hidden=256, heads=8, vocab=8192)
+# the clients' threads share this process's GIL: at Python's 5 ms switch interval a wave of 64 sends spread over
+# ~30 ms with holes of 4-5 ms on a 2-core CPU host (independent clients have none); this lets a sender in sooner
+CLIENT_SWITCH_INTERVAL = 2e-4
+PYTHON_SWITCH_INTERVAL = sys.getswitchinterval()  # the server process's, unless --switch-interval
 
 
 def parse_args(argv=None):
@@ -81,8 +85,11 @@ def parse_args(argv=None):
                         help="the server's --batch-wait-ms (default: %(default)s, the tool's): an idle engine's "
                              "longest wait for the rest of a burst of requests")
     parser.add_argument("--batch-gap-ms", type=float, default=ServerSettings.batch_gap_ms,
-                        help="the wait ends this long after the last arrival (default: %(default)s; a setting of "
+                        help="the wait ends this long after a lone request (default: %(default)s; a setting of "
                              "the server, not a flag of the tool)")
+    parser.add_argument("--burst-gap-ms", type=float, default=ServerSettings.burst_gap_ms,
+                        help="... and this long after the last arrival once a second has come (default: "
+                             "%(default)s; a setting of the server)")
     parser.add_argument("--tp", type=int, default=1,
                         help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
                              "the CPU); the engine figures are then the TP engine's")
@@ -216,7 +223,7 @@ def child(args):
     settings = ServerSettings(model_name="bench", max_new_tokens=args.new_tokens, steps_per_sync=args.steps_per_sync,
                               max_pending=max(1024, 2 * max(args.clients)), log_level="warning",
                               frontend=args.frontend, batch_wait_ms=args.batch_wait_ms,
-                              batch_gap_ms=args.batch_gap_ms)
+                              batch_gap_ms=args.batch_gap_ms, burst_gap_ms=args.burst_gap_ms)
     if tp == 1:
         print("ENGINE " + json.dumps(figures), flush=True)
         return serve(engine, tokenizer, settings, sock=bind("127.0.0.1", 0))
@@ -373,6 +380,7 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():
             sys.exit("--device cuda: no CUDA device here; run it on a GPU machine or pass --tiny")
+    sys.setswitchinterval(CLIENT_SWITCH_INTERVAL)
     launcher = [sys.executable] if args.tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                       str(args.tp), "--master_port", str(free_port())]
     cmd = launcher + [os.path.abspath(__file__), "--child", "1"] + (argv if argv is not None else sys.argv[1:])
@@ -519,9 +527,10 @@ def describe(args, engine):
     print(f"model: {model}, {args.dtype}, {device_name(args)}; prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync, "
           f"compile mode {args.compile_mode}, graph step {'on' if args.graph_step else 'off'}, {args.gemm} GEMMs, "
-          f"GIL switch interval {args.switch_interval or sys.getswitchinterval()} s, batch wait "
-          f"{args.batch_wait_ms:g} ms (gap {args.batch_gap_ms:g}); {engine['graphs']} decode "
-          f"and {engine['prefill_graphs']} prefill graphs captured at start-up in {engine['capture_s']:.1f} s",
+          f"the server's GIL switch interval {args.switch_interval or PYTHON_SWITCH_INTERVAL} s (the clients' "
+          f"{CLIENT_SWITCH_INTERVAL}), batch wait {args.batch_wait_ms:g} ms (gap {args.batch_gap_ms:g}, in a burst "
+          f"{args.burst_gap_ms:g}); {engine['graphs']} decode and {engine['prefill_graphs']} prefill graphs captured "
+          f"at start-up in {engine['capture_s']:.1f} s",
           flush=True)
 
 

@@ -63,10 +63,10 @@ def parse_args(argv=None):
                              "streamed tokens arrive in bursts of this many; larger is faster)")
     parser.add_argument("--batch-wait-ms", type=float, default=ServerSettings.batch_wait_ms,
                         help="an idle engine, given a request, waits up to this long for more to prefill with it "
-                             f"(default: %(default)s); it stops {ServerSettings.batch_gap_ms:g} ms after the last "
-                             "arrival or once the batch is full. A burst of clients (arriving ~0.5 ms apart through "
-                             "the HTTP front-end) then starts, and finishes, in the same rounds rather than over "
-                             "several, each a fraction full; 0: start at once")
+                             f"(default: %(default)s); it stops {ServerSettings.batch_gap_ms:g} ms after a lone "
+                             f"request, {ServerSettings.burst_gap_ms:g} ms after the last arrival of a burst, or "
+                             "once the batch is full. A burst of clients then starts, and finishes, in the same "
+                             "rounds rather than over several, each a fraction full; 0: start at once")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
                         help="larger request bodies get 413 (default: %(default)s)")
     parser.add_argument("--max-pending", type=int, default=1024,

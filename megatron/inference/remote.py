@@ -26,6 +26,7 @@ end: the front-end then answers 500/503 and shuts down, the engine process stops
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.reduction
 import os
 import queue
 import signal
@@ -37,6 +38,8 @@ from megatron.inference.worker import EngineWorker, _resolve
 logger = logging.getLogger(__name__)
 
 ENGINE_GONE = "the engine process has exited"
+INLINE_BYTES = 16 << 10  # the front-end's messages up to this size are sent from the loop (EngineClient._send)
+_PICKLER = multiprocessing.reduction.ForkingPickler  # Connection.send's own pickling: recv() reads the bytes
 
 
 class RemoteRow:
@@ -179,8 +182,9 @@ def serve_split(service, frontend_args, settings, sock):
 
 class EngineClient:
     """EngineWorker's interface (start, submit, cancel, score, stop, alive, healthy, last_error, stats) for the HTTP
-    app, over the pipe to an EngineService. Everything that touches rows and futures runs on the loop; two threads
-    move the pickled messages (so a long prompt never blocks the loop on a full pipe)."""
+    app, over the pipe to an EngineService. Everything that touches rows and futures runs on the loop; the loop sends
+    its small messages itself, a thread the rest (so a long prompt never blocks the loop on a full pipe), and a
+    thread reads the engine's."""
 
     def __init__(self, conn):
         self._conn = conn
@@ -189,6 +193,8 @@ class EngineClient:
         self._scores = {}  # id -> asyncio future
         self._score_ids = itertools.count()
         self._outbox = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # the loop's inline sends and the send thread's, in order
+        self._queued = 0  # messages in the outbox or being sent by the thread (under _send_lock)
         self._stopped = threading.Event()  # the engine said it stopped, or the pipe ended
         self._stopping = False
         self.on_engine_exit = None  # called on the loop when the engine process goes away unasked
@@ -212,14 +218,14 @@ class EngineClient:
         if not self.alive:
             self._loop.call_soon(self._updates, [(row.key, [], "error") for row in rows], None)
             return
-        self._outbox.put(("add", [(row.key, row.prompt_ids, row.params, row.seed) for row in rows]))
+        self._send(("add", [(row.key, row.prompt_ids, row.params, row.seed) for row in rows]))
 
     def cancel(self, rows, count=True):
         """Rows the front-end has finished already (a client gone, a stop string): the engine sends no more of
         them that anyone reads."""
         for row in rows:
             self._rows.pop(row.key, None)
-        self._outbox.put(("cancel", ([row.key for row in rows], count)))
+        self._send(("cancel", ([row.key for row in rows], count)))
 
     def score(self, sequences, spans, top_n):
         future = self._loop.create_future()
@@ -228,28 +234,48 @@ class EngineClient:
             return future
         score_id = next(self._score_ids)
         self._scores[score_id] = future
-        self._outbox.put(("score", ((sequences, spans, top_n), score_id)))
+        self._send(("score", ((sequences, spans, top_n), score_id)))
         return future
 
     def stop(self, timeout=10.0):
         """Tells the engine to stop (it cancels what it holds) and waits for its last state."""
         self._stopping = True
-        self._outbox.put(("stop", None))
+        self._send(("stop", None))
         self._stopped.wait(timeout)
+
+    def _send(self, message):
+        """Sends a message from the loop at once when it is small (INLINE_BYTES) and nothing is queued before it,
+        else through the send thread (in order either way). Through the thread alone, a wave of requests reached the
+        engine in clumps: the thread waits for the GIL while the loop handles the wave, up to Python's switch
+        interval (5 ms), longer than the engine's wait for the rest of a burst lets pass between two arrivals."""
+        data = _PICKLER.dumps(message)
+        with self._send_lock:
+            if self._queued == 0 and len(data) <= INLINE_BYTES:
+                self._write(message[0], data)  # the socket's buffer holds it: no wait on the loop
+                return
+            self._queued += 1
+        self._outbox.put((message[0], data))
 
     # ---- the two threads ----
 
     def _send_loop(self):
         while True:
-            message = self._outbox.get()
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError):  # the engine process has gone: the reader sees it too
+            kind, data = self._outbox.get()
+            with self._send_lock:
+                sent = self._write(kind, data)
+                self._queued -= 1
+            if not sent or kind == "stop":
                 return
-            except Exception:  # noqa: BLE001  keep sending the rest
-                logger.exception("server: could not send a %r message to the engine", message[0])
-            if message[0] == "stop":
-                return
+
+    def _write(self, kind, data):
+        """False once the pipe has ended (the engine process has gone: the reader sees it too)."""
+        try:
+            self._conn.send_bytes(data)
+        except (OSError, ValueError):
+            return False
+        except Exception:  # noqa: BLE001  keep sending the rest
+            logger.exception("server: could not send a %r message to the engine", kind)
+        return True
 
     def _receive_loop(self):
         try:

@@ -58,7 +58,8 @@ class ServerSettings:
     api_key: str = None
     steps_per_sync: int = 8  # decode steps per engine synchronisation (tokens reach clients in bursts of this)
     batch_wait_ms: float = 50.0  # an idle engine's longest wait for the rest of a burst of requests (EngineWorker)
-    batch_gap_ms: float = 3.0  # ... which ends this long after the last arrival
+    batch_gap_ms: float = 3.0  # ... which ends this long after a lone request
+    burst_gap_ms: float = 10.0  # ... or, once a second has come, this long after the last arrival
     max_body_bytes: int = 1 << 20
     max_pending: int = 1024  # rows queued or running; more are refused with 503
     tokenizer_threads: int = 4  # the pool that tokenizes prompts off the event loop
@@ -90,7 +91,8 @@ def engine_worker(engine, tokenizer, settings, channel=None, worker_class=Engine
 
     scorer = Scorer.for_bloom_model(engine.model, vocab_limit=tokenizer.vocab_size)
     return worker_class(engine, steps_per_sync=settings.steps_per_sync, scorer=scorer, channel=channel,
-                        batch_wait=settings.batch_wait_ms / 1000, batch_gap=settings.batch_gap_ms / 1000)
+                        batch_wait=settings.batch_wait_ms / 1000, batch_gap=settings.batch_gap_ms / 1000,
+                        burst_gap=settings.burst_gap_ms / 1000)
 
 
 def build_app(worker, tokenizer, settings, info):

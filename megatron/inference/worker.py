@@ -9,9 +9,9 @@ call_soon_threadsafe, one call per round. With overlap the engine launches round
 the device is never idle while this thread publishes round k and the loop turns its ids into text (both hold the
 GIL). The rows that round k+1 admitted get their first token as soon as its prefill is done (engine.first_tokens),
 not after its decode steps. An idle engine given a request waits for the rest of its burst (batch_wait, the
-server's --batch-wait-ms; it ends batch_gap after the last arrival), so a wave of clients is prefilled, and
-finishes, in the same rounds. A Job (on the loop) turns those ids into text deltas, applies stop strings and queues
-events for its HTTP handler.
+server's --batch-wait-ms; a lone request's wait ends batch_gap after it, a burst's burst_gap after its last
+arrival), so a wave of clients is prefilled, and finishes, in the same rounds. A Job (on the loop) turns those ids
+into text deltas, applies stop strings and queues events for its HTTP handler.
 
 Instrumentation (GET /health): `stats` has the engine's per-round counters under "rounds" (rounds, prefill rounds,
 rows admitted, decode steps, the engine thread's seconds launching, waiting for the device and reading results,
@@ -113,10 +113,12 @@ class EngineWorker:
     scorer: runs the ("score", ...) commands (the server's logprobs) on the engine thread, on every TP rank.
     channel: a PlanChannel under tensor parallelism (this is rank 0), else None."""
 
-    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None, batch_wait=0.0, batch_gap=0.002):
+    def __init__(self, engine, steps_per_sync=8, scorer=None, channel=None, batch_wait=0.0, batch_gap=0.002,
+                 burst_gap=None):
         self.engine = engine
         self.steps_per_sync = steps_per_sync
         self.batch_wait, self.batch_gap = batch_wait, min(batch_gap, batch_wait)
+        self.burst_gap = min(max(batch_gap if burst_gap is None else burst_gap, self.batch_gap), batch_wait)
         self.scorer = scorer
         self.channel = channel
         self._commands = queue.SimpleQueue()
@@ -334,13 +336,16 @@ class EngineWorker:
 
     def _gather(self, commands):
         """An idle engine's wait for the rest of a burst (the clients of a wave arrive over a few ms): commands
-        until batch_gap passes with none arriving, the rows fill the batch, a stop comes, or batch_wait has passed
-        since the first. Prefilled together, a burst's rows start and finish in the same rounds; admitted over
-        several rounds, the last of them decode on after the others have finished, in rounds a fraction full."""
+        until the rows fill the batch, a stop comes, batch_wait has passed since the first, or a gap passes with
+        none arriving: batch_gap after a lone request (its cost when it is alone), burst_gap once a second has come
+        (a wave's requests reach the engine with holes of a few ms between them: its clients' and the HTTP
+        front-end's threads share GILs). Prefilled together, a burst's rows start and finish in the same rounds;
+        admitted over several rounds, the last of them decode on after the others have finished, in rounds a
+        fraction full, and their clients' next requests come staggered too."""
         deadline = time.perf_counter() + self.batch_wait
         rows = sum(len(payload) for kind, payload in commands if kind == "add")
         while rows < self.engine.max_batch and commands[-1][0] != "stop":
-            timeout = min(self.batch_gap, deadline - time.perf_counter())
+            timeout = min(self.batch_gap if rows < 2 else self.burst_gap, deadline - time.perf_counter())
             if timeout <= 0:
                 break
             try:

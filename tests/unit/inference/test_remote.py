@@ -192,3 +192,37 @@ def test_the_front_end_going_away_stops_the_engine():
     there.close()  # the front-end process died without saying stop
     service._thread.join(30)
     assert not service._thread.is_alive() and not service.alive and cancelled == [1]
+
+
+def test_the_front_end_sends_small_messages_at_once_and_every_message_in_order():
+    """Small messages leave from the loop itself (not behind the send thread's wait for the GIL); one over
+    INLINE_BYTES goes through the thread, and what follows it waits its turn: the engine reads them in the order
+    they were sent."""
+    from megatron.inference import remote
+    here, there = multiprocessing.Pipe(duplex=True)
+    here.send(("state", {"alive": True, "healthy": True, "last_error": None, "stats": {"rounds": {}}}))
+    client = EngineClient(there)
+    thread_sends = []
+    write = client._write
+    client._write = lambda kind, data: (thread_sends.append(threading.current_thread().name), write(kind, data))[1]
+    params = SamplingParams(greedy=True, max_new_tokens=4)
+    long_prompt = list(range(remote.INLINE_BYTES))  # pickled: more than INLINE_BYTES
+
+    async def scenario():
+        client.start(asyncio.get_running_loop())
+        sent = []
+        for i in range(20):
+            prompt = long_prompt if i % 5 == 2 else [5, 9, i]
+            job = rows_of(Job(client, lambda job: None), client, [prompt], params)
+            client.cancel(job.rows)
+            sent += [("add", len(prompt)), ("cancel", None)]
+        received = []
+        for _ in sent:
+            kind, payload = await asyncio.to_thread(here.recv)
+            received.append((kind, len(payload[0][1]) if kind == "add" else None))
+        return sent, received
+
+    sent, received = asyncio.run(scenario())
+    assert received == sent
+    # the first message went from the loop at once; the long prompts (and what came right behind them) by the thread
+    assert thread_sends[0] == "MainThread" and thread_sends.count("engine-send") >= 4

@@ -369,21 +369,24 @@ def test_a_burst_of_requests_is_admitted_in_one_round_with_their_solo_outputs():
 
 def test_an_idle_worker_waits_for_the_rest_of_a_burst():
     """batch_wait: four requests arriving 50 ms apart at an idle engine are prefilled in one round (each with its
-    solo output), the wait ending when they fill the batch, not at batch_wait; a lone request's wait ends batch_gap
-    after it; batch_wait=0 (EngineWorker's default) never waits."""
+    solo output), the wait ending when they fill the batch, not at batch_wait; once a second request has come the
+    wait spans gaps up to burst_gap, not batch_gap; a lone request's wait ends batch_gap after it; batch_wait=0
+    (EngineWorker's default) never waits."""
     engine = tiny_engine(max_batch_size=4)
     params = SamplingParams(greedy=True, max_new_tokens=6)
     prompts = [[5, 9, 3 + i, 7][:2 + i % 3] for i in range(4)]
     solo = [engine.generate([p], params)[0] for p in prompts]
 
-    async def scenario(batch_wait, batch_gap, wave):
+    async def scenario(batch_wait, batch_gap, wave, burst_gap=None, apart=(0.05, 0.05, 0.05)):
         engine.stats.update(rounds=0, prefill_rounds=0, admitted=0)
-        worker = EngineWorker(engine, steps_per_sync=2, batch_wait=batch_wait, batch_gap=batch_gap)
+        worker = EngineWorker(engine, steps_per_sync=2, batch_wait=batch_wait, batch_gap=batch_gap,
+                              burst_gap=burst_gap)
         worker.start(asyncio.get_running_loop())
         jobs = []
-        for p in wave:
+        for p, pause in zip(wave, apart + (0.0,)):
             jobs.append(rows_of(Job(worker, lambda job: None), worker, [p], params))
-            await asyncio.sleep(0.05)
+            if pause:
+                await asyncio.sleep(pause)
         for job in jobs:
             await job.wait()
         worker.stop()
@@ -393,6 +396,16 @@ def test_an_idle_worker_waits_for_the_rest_of_a_burst():
     assert outputs == solo
     assert (rounds["prefill_rounds"], rounds["admitted"], stats["batch_waits"]) == (1, 4, 1)
     assert 0.1 < stats["batch_wait_s"] < 5.0  # three 50 ms gaps; ended by the full batch, not the 5 s gap
+
+    # two together, then two more 0.3 s apart: a 0.25 s gap for a lone request, 5 s within a burst -> one round
+    outputs, stats, rounds = asyncio.run(scenario(30.0, 0.25, prompts, burst_gap=5.0, apart=(0.0, 0.3, 0.3)))
+    assert outputs == solo
+    assert (rounds["prefill_rounds"], rounds["admitted"], stats["batch_waits"]) == (1, 4, 1)
+    assert 0.6 <= stats["batch_wait_s"] < 5.0
+    # the same arrivals with the burst's gap no longer than the lone request's: the wave splits after the first two
+    outputs, stats, rounds = asyncio.run(scenario(30.0, 0.25, prompts, apart=(0.0, 0.3, 0.3)))
+    assert outputs == solo
+    assert rounds["prefill_rounds"] >= 2 and 0.25 <= stats["batch_wait_s"] / stats["batch_waits"] < 0.3
 
     outputs, stats, rounds = asyncio.run(scenario(30.0, 0.3, prompts[:1]))
     assert outputs == solo[:1] and stats["batch_waits"] == 1
