@@ -240,17 +240,17 @@ class EngineClient:
     def stop(self, timeout=10.0):
         """Tells the engine to stop (it cancels what it holds) and waits for its last state."""
         self._stopping = True
-        self._send(("stop", None))
+        self._send(("stop", None), inline=False)  # by the thread, which ends with it
         self._stopped.wait(timeout)
 
-    def _send(self, message):
+    def _send(self, message, inline=True):
         """Sends a message from the loop at once when it is small (INLINE_BYTES) and nothing is queued before it,
         else through the send thread (in order either way). Through the thread alone, a wave of requests reached the
         engine in clumps: the thread waits for the GIL while the loop handles the wave, up to Python's switch
         interval (5 ms), longer than the engine's wait for the rest of a burst lets pass between two arrivals."""
         data = _PICKLER.dumps(message)
         with self._send_lock:
-            if self._queued == 0 and len(data) <= INLINE_BYTES:
+            if inline and self._queued == 0 and len(data) <= INLINE_BYTES:
                 self._write(message[0], data)  # the socket's buffer holds it: no wait on the loop
                 return
             self._queued += 1
