@@ -17,9 +17,10 @@ times the engine alone at each client count on the clients' own workload (engine
 --requests-per-client requests one after another, the next added as soon as the last finishes, rounds of
 --steps-per-sync steps overlapped as the server runs them; warm, best of --repeats: what the server could reach with
 HTTP, the event loop and its thread costing nothing), then serves the same engine with megatron.inference.server (the
-code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1. Each client is a thread that sends
---requests-per-client streamed completions one after another on one kept-alive connection (the clients of a
-round start together): a fixed --prompt-len token prompt (token ids,
+code behind tools/run_text_generation_server.py) on a free port of 127.0.0.1. Each client is a thread (of
+--client-processes processes: one GIL for all would send a wave one request after another) that sends
+--requests-per-client streamed completions one after another on one kept-alive connection (the clients of a round
+start together): a fixed --prompt-len token prompt (token ids,
 different per client), --new-tokens tokens, greedy, eod ignored so every completion has exactly --new-tokens tokens.
 One warm-up request comes first; then, per concurrency, one warm run and --repeats timed runs, as the engine gets:
 aggregate tokens/s (all completion tokens / wall time of the run; the best run), the engine's tokens/s on the same
@@ -93,6 +94,10 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=int, default=1,
                         help="serve tensor-parallel over this many processes (torchrun; one GPU each, or gloo on "
                              "the CPU); the engine figures are then the TP engine's")
+    parser.add_argument("--client-processes", type=int, default=8,
+                        help="the clients of a round run as threads of this many processes (default: %(default)s; "
+                             "1: all in the bench's own): threads that share a GIL send a wave one after another, "
+                             "which the server would see as a slow burst")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     add_decode_flags(parser)
     parser.add_argument("--output", default=None, help="also write the figures as JSON")
@@ -327,32 +332,93 @@ def stream_one(connection, prompt, new_tokens):
     return {"start": start, "first": first if first is not None else end, "end": end, "tokens": tokens, "text": text}
 
 
-def run_round(args, port, clients, vocab_size, requests=None):
-    results, errors = [], []
+def client_groups(clients, processes):
+    """The client indices of each client process: as even as it goes, in order."""
+    processes = max(1, min(processes, clients))
+    return [list(range(clients))[p::processes] for p in range(processes)]
 
-    start = threading.Barrier(clients)
+
+def run_clients(args, port, indices, vocab_size, requests, ready=None):
+    """The clients `indices` as threads of this process: each connects, then (once every client of the round, in
+    every process, has: ready.wait() if given) sends its requests one after another. Their results, each tagged with
+    its client and its place in that client's sequence."""
+    results, errors = [], []
+    connected, go = threading.Barrier(len(indices) + 1), threading.Event()
 
     def client(index):
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=args.timeout)
         try:
             connection.connect()
-            start.wait()  # the clients of a round send their first requests together, not as their threads start
-            for _ in range(requests or args.requests_per_client):
-                results.append(stream_one(connection, client_prompt(args, vocab_size, index), args.new_tokens))
+            connected.wait()
+            go.wait()  # the clients of a round send their first requests together, not as their threads start
+            for sequence in range(requests):
+                result = stream_one(connection, client_prompt(args, vocab_size, index), args.new_tokens)
+                results.append(dict(result, client=index, sequence=sequence))
         except Exception as err:  # reported below, after every thread ends
             errors.append(err)
-            start.abort()
+            connected.abort()
         finally:
             connection.close()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in indices]
     for thread in threads:
         thread.start()
+    try:
+        connected.wait()
+        if ready is not None:
+            ready.wait()
+    except threading.BrokenBarrierError:
+        pass  # a client failed to connect: its error is raised below
+    finally:
+        go.set()
     for thread in threads:
         thread.join()
     if errors:
         raise errors[0]
     return results
+
+
+def _client_process(args, port, indices, vocab_size, requests, ready, queue):
+    sys.setswitchinterval(CLIENT_SWITCH_INTERVAL)
+    try:
+        queue.put((run_clients(args, port, indices, vocab_size, requests, ready), None))
+    except Exception as err:
+        ready.abort()
+        queue.put(([], f"{type(err).__name__}: {err}"))
+
+
+def run_round(args, port, clients, vocab_size, requests=None):
+    """One round: `clients` concurrent streaming clients, spread over --client-processes processes (threads of
+    one process share its GIL and send a wave one after another; independent clients do not)."""
+    import multiprocessing
+    requests = requests or args.requests_per_client
+    groups = client_groups(clients, args.client_processes)
+    if len(groups) == 1:
+        return run_clients(args, port, groups[0], vocab_size, requests)
+    context = multiprocessing.get_context("spawn")  # the clients import nothing but the standard library
+    ready, queue = context.Barrier(len(groups)), context.Queue()
+    processes = [context.Process(target=_client_process, args=(args, port, group, vocab_size, requests, ready,
+                                                               queue), daemon=True) for group in groups]
+    for process in processes:
+        process.start()
+    results, errors = [], []
+    for _ in processes:
+        got, error = queue.get(timeout=args.timeout)
+        results += got
+        errors += [error] if error else []
+    for process in processes:
+        process.join()
+    if errors:
+        raise RuntimeError(f"a client failed: {errors[0]}")
+    return results
+
+
+def send_spread_ms(results):
+    """Per wave (every client's n-th request), the time from its first request sent to its last."""
+    waves = {}
+    for r in results:
+        waves.setdefault(r["sequence"], []).append(r["start"])
+    return [(max(starts) - min(starts)) * 1e3 for _, starts in sorted(waves.items())]
 
 
 def percentile(values, q):
@@ -369,7 +435,8 @@ def summarize(clients, results):
             "tokens_per_s": tokens / wall, "per_client_tokens_per_s": statistics.mean(
                 r["tokens"] / (r["end"] - r["start"]) for r in results),
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p95_ms": percentile(ttft, 95), "ttft_max_ms": max(ttft),
-            "tpot_p50_ms": percentile(tpot, 50), "tpot_p95_ms": percentile(tpot, 95)}
+            "tpot_p50_ms": percentile(tpot, 50), "tpot_p95_ms": percentile(tpot, 95),
+            "send_spread_ms": send_spread_ms(results)}
 
 
 def main(argv=None):
@@ -408,7 +475,8 @@ def main(argv=None):
         describe(args, engine)
         run_round(args, port, 1, vocab_size, requests=1)  # warm-up (every decode graph was captured at start-up)
         print(f"{'clients':>7} {'server tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'TTFT p50':>9} {'p95':>8} "
-              f"{'max':>8} {'TPOT p50':>9} {'p95':>8}  (ms)")
+              f"{'max':>8} {'TPOT p50':>9} {'p95':>8} {'sends':>6}  (ms; sends = the clients' longest spread between the "
+              f"first and last request of a wave)")
         for clients in args.clients:
             run_round(args, port, clients, vocab_size)  # warm at this concurrency, as the engine's ramp is
             runs = []
@@ -426,7 +494,8 @@ def main(argv=None):
             rows.append(row)
             print(f"{clients:>7} {row['tokens_per_s']:>12.1f} {row['engine_tokens_per_s']:>12.1f} "
                   f"{row['server_vs_engine']:>6.2f} {row['ttft_p50_ms']:>9.1f} {row['ttft_p95_ms']:>8.1f} "
-                  f"{row['ttft_max_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} {row['tpot_p95_ms']:>8.2f}", flush=True)
+                  f"{row['ttft_max_ms']:>8.1f} {row['tpot_p50_ms']:>9.2f} {row['tpot_p95_ms']:>8.2f} "
+                  f"{max(row['send_spread_ms']):>6.1f}", flush=True)
     finally:
         if server_pid is not None:  # the serving process (TP rank 0) finishes, then stops the other ranks
             os.kill(server_pid, signal.SIGTERM)
@@ -528,7 +597,7 @@ def describe(args, engine):
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync, "
           f"compile mode {args.compile_mode}, graph step {'on' if args.graph_step else 'off'}, {args.gemm} GEMMs, "
           f"the server's GIL switch interval {args.switch_interval or PYTHON_SWITCH_INTERVAL} s (the clients' "
-          f"{CLIENT_SWITCH_INTERVAL}), batch wait {args.batch_wait_ms:g} ms (gap {args.batch_gap_ms:g}, in a burst "
+          f"{CLIENT_SWITCH_INTERVAL}, in {args.client_processes} processes), batch wait {args.batch_wait_ms:g} ms (gap {args.batch_gap_ms:g}, in a burst "
           f"{args.burst_gap_ms:g}); {engine['graphs']} decode and {engine['prefill_graphs']} prefill graphs captured "
           f"at start-up in {engine['capture_s']:.1f} s",
           flush=True)
