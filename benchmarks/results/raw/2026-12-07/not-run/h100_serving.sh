@@ -2,7 +2,7 @@
 # H100 call (no H200 came): the server with the bench's clients in 8 processes (029ca88) at 1/8/32/64 clients, then
 # 32/64 with all clients in one process (--client-processes 1, as before), then 32/64 with httptools + uvloop
 # installed (uvicorn's auto choice; carry .whl-http), on the same machine.
-# Run: BUDGET=200 bash benchmarks/results/raw/2026-12-08/h100_serving.sh
+# Run: BUDGET=200 bash benchmarks/results/raw/2026-12-07/not-run/h100_serving.sh
 set -uo pipefail
 T0=$(date +%s)
 source benchmarks/device_setup.sh
