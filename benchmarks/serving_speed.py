@@ -475,8 +475,8 @@ def main(argv=None):
         describe(args, engine)
         run_round(args, port, 1, vocab_size, requests=1)  # warm-up (every decode graph was captured at start-up)
         print(f"{'clients':>7} {'server tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'TTFT p50':>9} {'p95':>8} "
-              f"{'max':>8} {'TPOT p50':>9} {'p95':>8} {'sends':>6}  (ms; sends = the clients' longest spread between the "
-              f"first and last request of a wave)")
+              f"{'max':>8} {'TPOT p50':>9} {'p95':>8} {'sends':>6}  (ms; sends = the clients' longest spread "
+              "between the first and last request of a wave)")
         for clients in args.clients:
             run_round(args, port, clients, vocab_size)  # warm at this concurrency, as the engine's ramp is
             runs = []
@@ -597,9 +597,9 @@ def describe(args, engine):
           f"tokens, greedy, {args.requests_per_client} requests per client, {args.steps_per_sync} steps per sync, "
           f"compile mode {args.compile_mode}, graph step {'on' if args.graph_step else 'off'}, {args.gemm} GEMMs, "
           f"the server's GIL switch interval {args.switch_interval or PYTHON_SWITCH_INTERVAL} s (the clients' "
-          f"{CLIENT_SWITCH_INTERVAL}, in {args.client_processes} processes), batch wait {args.batch_wait_ms:g} ms (gap {args.batch_gap_ms:g}, in a burst "
-          f"{args.burst_gap_ms:g}); {engine['graphs']} decode and {engine['prefill_graphs']} prefill graphs captured "
-          f"at start-up in {engine['capture_s']:.1f} s",
+          f"{CLIENT_SWITCH_INTERVAL}, in {args.client_processes} processes), batch wait {args.batch_wait_ms:g} ms "
+          f"(gap {args.batch_gap_ms:g}, in a burst {args.burst_gap_ms:g}); {engine['graphs']} decode and "
+          f"{engine['prefill_graphs']} prefill graphs captured at start-up in {engine['capture_s']:.1f} s",
           flush=True)
 
 

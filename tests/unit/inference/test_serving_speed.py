@@ -2,6 +2,7 @@
 send spread per wave by hand. The server here is a stand-in that streams OpenAI-style chunks (the real server's
 figures are the bench's own run on the GPU machine)."""
 import argparse
+import contextlib
 import http.server
 import json
 import os
@@ -37,15 +38,23 @@ class Streamer(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def serving(handler):
+    """A ThreadingHTTPServer with handler on a free port of 127.0.0.1: its port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def streamer():
     Streamer.arrivals = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streamer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with serving(Streamer) as port:
+        yield port
 
 
 def bench_args(processes):
@@ -84,11 +93,5 @@ def test_a_server_that_refuses_fails_the_round():
             self.end_headers()
             self.wfile.write(b"busy")
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuser)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(RuntimeError, match="the server answered 503: b'busy'"):
-            serving_speed.run_round(bench_args(2), server.server_address[1], clients=2, vocab_size=100)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Refuser) as port, pytest.raises(RuntimeError, match="the server answered 503: b'busy'"):
+        serving_speed.run_round(bench_args(2), port, clients=2, vocab_size=100)
